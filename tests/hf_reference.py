@@ -1,0 +1,54 @@
+"""Tiny random transformers Qwen3.5 models, the independent reference for parity tests."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def tiny_hf_config(tied: bool, **overrides) -> dict:
+    config = dict(
+        vocab_size=211,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+        max_position_embeddings=4096,
+    )
+    config.update(overrides)
+    return config
+
+
+def random_hf_model(modeling, config: dict, seed: int):
+    """A transformers Qwen3_5ForCausalLM in fp32 with every parameter randomised.
+
+    Norm weights start at 0 or 1 and A_log/dt_bias at fixed values; perturbing all of them makes
+    a wrong (1 + w) convention or a swapped per-head parameter visible in the logits.
+    """
+    from transformers import Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    hf_config = Qwen3_5TextConfig(**config)
+    hf_config._attn_implementation = "eager"
+    model = modeling.Qwen3_5ForCausalLM(hf_config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                param.add_(0.3 * torch.randn_like(param))
+            elif "A_log" in name:
+                # A in [0.01, 2]: with A near 16, transformers' fp32 in-chunk cumsum of the decay
+                # reaches ~1e3 and its own dA_log is off by ~2e-4. That regime is tested against
+                # an fp64 recurrence in test_delta_rule.py, not against transformers.
+                param.uniform_(math.log(0.01), math.log(2.0))
+    return model

@@ -1,0 +1,226 @@
+"""Model arguments for the Qwen3.5 hybrid text model (dense variant)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torchtitan.protocols.model import BaseModelArgs
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
+
+
+@dataclass
+class Qwen35ModelArgs(BaseModelArgs):
+    dim: int = 1024
+    n_layers: int = 24
+    vocab_size: int = 248320
+    hidden_dim: int = 3584  # SwiGLU intermediate size
+    norm_eps: float = 1e-6
+    enable_weight_tying: bool = True
+
+    # gated full attention
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    head_dim: int = 256
+    rope_theta: float = 1e7
+    partial_rotary_factor: float = 0.25
+
+    # Gated DeltaNet
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 16
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+
+    # Every `full_attention_interval`-th layer is full attention, unless `layer_types` says so.
+    full_attention_interval: int = 4
+    layer_types: list[str] | None = None
+
+    max_seq_len: int = 262144
+    initializer_range: float = 0.02
+
+    # Kernel backends; None picks per device (FLA / flex on CUDA, pure torch on CPU).
+    delta_rule_backend: str | None = None
+    conv_backend: str | None = None
+    attn_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.layer_types is None:
+            self.layer_types = [
+                FULL_ATTENTION if (i + 1) % self.full_attention_interval == 0 else LINEAR_ATTENTION
+                for i in range(self.n_layers)
+            ]
+        self.validate()
+
+    # torchtitan builds document masks (get_attention_masks) only for these attention types;
+    # packed documents always need them, so the model always reports one.
+    @property
+    def attn_type(self) -> str:
+        return "flex"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def validate(self) -> None:
+        problems = []
+        if len(self.layer_types) != self.n_layers:
+            problems.append(
+                f"layer_types has {len(self.layer_types)} entries but n_layers is {self.n_layers}"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            problems.append(f"layer_types contains {unknown}; allowed: {list(LAYER_TYPES)}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            problems.append(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
+        if self.n_heads % self.n_kv_heads:
+            problems.append(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.rotary_dim % 2:
+            problems.append(
+                f"head_dim * partial_rotary_factor = {self.rotary_dim} must be even for RoPE"
+            )
+        if problems:
+            raise ValueError("Invalid Qwen3.5 model args: " + "; ".join(problems))
+
+    def update_from_config(self, job_config, **kwargs) -> None:
+        seq_len = job_config.training.seq_len
+        if seq_len > self.max_seq_len:
+            raise ValueError(
+                f"training.seq_len = {seq_len} exceeds the model's max_seq_len = "
+                f"{self.max_seq_len}; lower training.seq_len"
+            )
+        tokenizer = kwargs.get("tokenizer")
+        if tokenizer is not None and tokenizer.get_vocab_size() > self.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's "
+                f"vocab_size is {self.vocab_size}; use a flavor with a larger vocab or a "
+                "tokenizer that fits (model.hf_assets_path)"
+            )
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        from titan_gdn.model.flops import count_params_and_flops
+
+        return count_params_and_flops(self, model, seq_len)
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any], **overrides: Any) -> Qwen35ModelArgs:
+        """Args from a transformers Qwen3.5 `config.json` dict: text, or multimodal with a
+        nested `text_config`."""
+        text = config.get("text_config", config)
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        rope_theta = rope.get("rope_theta", text.get("rope_theta", cls.rope_theta))
+        partial = rope.get(
+            "partial_rotary_factor", text.get("partial_rotary_factor", cls.partial_rotary_factor)
+        )
+        tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        args = dict(
+            dim=text["hidden_size"],
+            n_layers=text["num_hidden_layers"],
+            vocab_size=text["vocab_size"],
+            hidden_dim=text["intermediate_size"],
+            norm_eps=text.get("rms_norm_eps", cls.norm_eps),
+            enable_weight_tying=tied,
+            n_heads=text["num_attention_heads"],
+            n_kv_heads=text["num_key_value_heads"],
+            head_dim=text.get("head_dim", cls.head_dim),
+            rope_theta=rope_theta,
+            partial_rotary_factor=partial,
+            linear_num_key_heads=text["linear_num_key_heads"],
+            linear_num_value_heads=text["linear_num_value_heads"],
+            linear_key_head_dim=text["linear_key_head_dim"],
+            linear_value_head_dim=text["linear_value_head_dim"],
+            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", cls.linear_conv_kernel_dim),
+            full_attention_interval=text.get(
+                "full_attention_interval", cls.full_attention_interval
+            ),
+            layer_types=list(text["layer_types"]) if text.get("layer_types") else None,
+            max_seq_len=text.get("max_position_embeddings", cls.max_seq_len),
+            initializer_range=text.get("initializer_range", cls.initializer_range),
+        )
+        args.update(overrides)
+        return cls(**args)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The transformers `Qwen3_5TextConfig` fields of these args (for export)."""
+        return dict(
+            model_type="qwen3_5_text",
+            architectures=["Qwen3_5ForCausalLM"],
+            hidden_size=self.dim,
+            num_hidden_layers=self.n_layers,
+            vocab_size=self.vocab_size,
+            intermediate_size=self.hidden_dim,
+            rms_norm_eps=self.norm_eps,
+            tie_word_embeddings=self.enable_weight_tying,
+            num_attention_heads=self.n_heads,
+            num_key_value_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=self.rope_theta,
+                partial_rotary_factor=self.partial_rotary_factor,
+            ),
+            linear_num_key_heads=self.linear_num_key_heads,
+            linear_num_value_heads=self.linear_num_value_heads,
+            linear_key_head_dim=self.linear_key_head_dim,
+            linear_value_head_dim=self.linear_value_head_dim,
+            linear_conv_kernel_dim=self.linear_conv_kernel_dim,
+            layer_types=list(self.layer_types),
+            max_position_embeddings=self.max_seq_len,
+            initializer_range=self.initializer_range,
+            hidden_act="silu",
+            attention_bias=False,
+        )
+
+
+def _flavor(dim, n_layers, n_heads, n_kv_heads, hidden_dim, v_heads, tied) -> Qwen35ModelArgs:
+    return Qwen35ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        hidden_dim=hidden_dim,
+        linear_num_value_heads=v_heads,
+        enable_weight_tying=tied,
+    )
+
+
+# Published Qwen3.5 text configs (dense). The debug model is tiny but keeps both layer types,
+# grouped value heads and fewer KV heads than attention heads, so every code path is exercised.
+qwen3_5_args: dict[str, Qwen35ModelArgs] = {
+    "debugmodel": Qwen35ModelArgs(
+        dim=256,
+        n_layers=4,
+        vocab_size=2048,
+        hidden_dim=512,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        # 128 as in the published sizes: FLA's Hopper backward is lifted only for 128-wide tiles.
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        max_seq_len=131072,
+    ),
+    "0.8B": _flavor(1024, 24, 8, 2, 3584, 16, tied=True),
+    "2B": _flavor(2048, 24, 8, 2, 6144, 16, tied=True),
+    "4B": _flavor(2560, 32, 16, 4, 9216, 32, tied=True),
+    "9B": _flavor(4096, 32, 16, 4, 12288, 32, tied=False),
+    "27B": _flavor(5120, 64, 24, 4, 17408, 48, tied=False),
+}
+
+__all__ = [
+    "FULL_ATTENTION",
+    "LINEAR_ATTENTION",
+    "Qwen35ModelArgs",
+    "qwen3_5_args",
+]

@@ -1,0 +1,65 @@
+"""Packed-document boundaries, derived once per batch and shared by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+
+@dataclass
+class DocumentBoundaries:
+    """Where the documents packed into a batch start and end.
+
+    torchtitan packs EOS-terminated documents into rows; a document ends right after its EOS
+    (as in torchtitan's document masks) and every row end closes a document too. Rows are laid
+    end to end, so `cu_seqlens` indexes the flattened `[B * T]` sequence that the varlen kernels
+    (delta rule, conv) consume.
+    """
+
+    cu_seqlens: torch.Tensor  # int32 [num_documents + 1], over the flattened batch
+    document_ids: torch.Tensor  # int32 [B, T], unique per document across the batch
+    position_ids: torch.Tensor  # int64 [B, T], position inside its document (RoPE)
+    block_mask: BlockMask | None = None  # document-causal flex mask, when flex attention runs
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.document_ids.shape)
+
+    @property
+    def num_documents(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @classmethod
+    def from_tokens(cls, tokens: torch.Tensor, eos_id: int | None) -> DocumentBoundaries:
+        batch, seq_len = tokens.shape
+        starts = torch.zeros_like(tokens, dtype=torch.bool)
+        starts[:, 0] = True
+        if eos_id is not None:
+            starts[:, 1:] = tokens[:, :-1] == eos_id
+        return cls._from_starts(starts)
+
+    @classmethod
+    def whole_rows(cls, batch: int, seq_len: int, device: torch.device) -> DocumentBoundaries:
+        starts = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
+        starts[:, 0] = True
+        return cls._from_starts(starts)
+
+    @classmethod
+    def _from_starts(cls, starts: torch.Tensor) -> DocumentBoundaries:
+        flat = starts.flatten()
+        index = torch.arange(flat.numel(), device=flat.device)
+        document_ids = (flat.cumsum(0) - 1).to(torch.int32)
+        # The start of each token's document, carried forward by a running max.
+        doc_start = torch.where(flat, index, torch.zeros_like(index)).cummax(0).values
+        end = torch.tensor([flat.numel()], device=flat.device)
+        cu_seqlens = torch.cat([index[flat], end]).to(torch.int32)
+        return cls(
+            cu_seqlens=cu_seqlens,
+            document_ids=document_ids.view_as(starts),
+            position_ids=(index - doc_start).view_as(starts),
+        )
+
+    def with_block_mask(self, block_mask: BlockMask) -> DocumentBoundaries:
+        return DocumentBoundaries(self.cu_seqlens, self.document_ids, self.position_ids, block_mask)

@@ -1,0 +1,101 @@
+"""The Qwen3.5 hybrid text model: 3 Gated DeltaNet blocks to 1 gated-attention block."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchtitan.protocols.model import ModelProtocol
+
+from titan_gdn.layers.attention import GatedAttention
+from titan_gdn.layers.gated_deltanet import GatedDeltaNet
+from titan_gdn.layers.mlp import FeedForward
+from titan_gdn.layers.norms import ZeroCenteredRMSNorm
+from titan_gdn.layers.rope import rope_cos_sin
+from titan_gdn.model.args import LINEAR_ATTENTION, Qwen35ModelArgs
+from titan_gdn.model.documents import DocumentBoundaries
+from titan_gdn.ops.attention import document_causal_block_mask, resolve_attn_backend
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, args: Qwen35ModelArgs, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(args)
+        else:
+            self.self_attn = GatedAttention(args)
+        self.mlp = FeedForward(args.dim, args.hidden_dim)
+        self.input_layernorm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.layer_type == LINEAR_ATTENTION else self.self_attn
+
+    def forward(self, x: torch.Tensor, docs: DocumentBoundaries, rope) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.layer_type == LINEAR_ATTENTION:
+            h = self.linear_attn(h, docs)
+        else:
+            h = self.self_attn(h, docs, rope)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def init_weights(self, std: float) -> None:
+        self.mixer.init_weights(std)
+        for linear in (self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj):
+            nn.init.normal_(linear.weight, mean=0.0, std=std)
+        self.input_layernorm.reset_parameters()
+        self.post_attention_layernorm.reset_parameters()
+
+
+class Qwen35Model(ModelProtocol):
+    """torchtitan model: `forward(tokens, attention_masks=DocumentBoundaries) -> logits`.
+
+    Attribute names follow torchtitan's llama3/qwen3 (tok_embeddings, layers, norm, output) so
+    torchtitan's parallelism helpers apply; block internals follow transformers' Qwen3.5.
+    """
+
+    def __init__(self, model_args: Qwen35ModelArgs):
+        super().__init__(model_args)
+        self.model_args = model_args
+        self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderBlock(model_args, t) for i, t in enumerate(model_args.layer_types)}
+        )
+        self.norm = ZeroCenteredRMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        if model_args.enable_weight_tying:
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        std = self.model_args.initializer_range
+        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        for layer in self.layers.values():
+            layer.init_weights(std)
+        self.norm.reset_parameters()
+        if not self.model_args.enable_weight_tying:
+            nn.init.normal_(self.output.weight, mean=0.0, std=std)
+
+    def get_attention_masks(self, input_batch, tokenizer, extra_inputs=None) -> DocumentBoundaries:
+        docs = DocumentBoundaries.from_tokens(input_batch, tokenizer.eos_id)
+        if resolve_attn_backend(input_batch.device, self.model_args.attn_backend) == "flex":
+            docs = docs.with_block_mask(document_causal_block_mask(docs.document_ids))
+        return docs
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        attention_masks: DocumentBoundaries | None = None,
+        **unused,
+    ) -> torch.Tensor:
+        """Logits [B, T, vocab]. Without `attention_masks` each row is one document."""
+        docs = attention_masks
+        if docs is None:
+            docs = DocumentBoundaries.whole_rows(*tokens.shape, device=tokens.device)
+        h = self.tok_embeddings(tokens)
+        args = self.model_args
+        rope = rope_cos_sin(docs.position_ids, args.rotary_dim, args.rope_theta, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, docs, rope)
+        return self.output(self.norm(h))

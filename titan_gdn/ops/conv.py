@@ -1,0 +1,76 @@
+"""Depthwise causal conv1d + SiLU over packed documents (the GDN short convolution)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from titan_gdn.ops.backends import resolve_backend
+
+CONV_BACKENDS = ("causal_conv1d", "fla", "torch")
+
+
+def resolve_conv_backend(device: torch.device, backend: str | None) -> str:
+    return resolve_backend(
+        "conv_backend",
+        backend,
+        device,
+        cuda_preference=("causal_conv1d", "fla"),
+        cuda_only={"causal_conv1d": "causal_conv1d", "fla": "fla"},
+        choices=CONV_BACKENDS,
+    )
+
+
+def causal_conv1d_silu(
+    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, backend: str | None = None
+) -> torch.Tensor:
+    """silu(depthwise causal conv) of `x` [1, L, C] with `weight` [C, K], restarting at documents.
+
+    No output reads an input of an earlier document: the taps that would reach before the
+    document start see zeros, as if every document were convolved alone.
+    """
+    if x.shape[0] != 1:
+        raise ValueError(f"causal_conv1d_silu expects packed input [1, L, C], got {tuple(x.shape)}")
+    backend = resolve_conv_backend(x.device, backend)
+    if backend == "fla":
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        out, _ = causal_conv1d(
+            x, weight=weight, activation="silu", backend="triton", cu_seqlens=cu_seqlens
+        )
+        return out
+    if backend == "causal_conv1d":
+        return _causal_conv1d_cuda(x, weight, cu_seqlens)
+    return _causal_conv1d_torch(x, weight, cu_seqlens)
+
+
+def _positions_in_document(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    index = torch.arange(length, device=cu_seqlens.device)
+    document = torch.searchsorted(cu_seqlens[1:].long(), index, right=True)
+    return index - cu_seqlens.long()[document]
+
+
+def _causal_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor):
+    length, kernel = x.shape[1], weight.shape[1]
+    positions = _positions_in_document(cu_seqlens, length)
+    xf = F.pad(x[0].float(), (0, 0, kernel - 1, 0))
+    w = weight.float()
+    out = torch.zeros(length, x.shape[2], device=x.device, dtype=torch.float32)
+    for tap in range(kernel):
+        lag = kernel - 1 - tap
+        # A tap lagging `lag` tokens is valid only `lag` tokens or more into the document.
+        valid = (positions >= lag).unsqueeze(-1)
+        out = out + torch.where(valid, xf[tap : tap + length], 0.0) * w[:, tap]
+    return F.silu(out).to(x.dtype)[None]
+
+
+def _causal_conv1d_cuda(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor):
+    from causal_conv1d import causal_conv1d_fn
+
+    # The CUDA kernel restarts at documents through `seq_idx`, which it accepts only with a
+    # channel-last layout: a [1, L, C] contiguous tensor seen as [1, C, L].
+    length = x.shape[1]
+    index = torch.arange(length, device=x.device)
+    seq_idx = torch.searchsorted(cu_seqlens[1:].long(), index, right=True).to(torch.int32)[None]
+    out = causal_conv1d_fn(x.transpose(1, 2), weight, bias=None, seq_idx=seq_idx, activation="silu")
+    return out.transpose(1, 2)
