@@ -1,0 +1,54 @@
+"""TrainSpec data loader builders, drop-in for torchtitan's build_text_(validation_)dataloader."""
+
+from dataclasses import asdict
+
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.config import JobConfig
+from torchtitan.tools.logging import logger
+
+from titan_gdn.data.documents import build_document_source
+from titan_gdn.data.packing import PackedDocumentDataset
+
+
+def build_packed_dataloader(
+    dp_world_size: int,
+    dp_rank: int,
+    tokenizer: BaseTokenizer,
+    job_config: JobConfig,
+    infinite: bool = True,
+) -> ParallelAwareDataloader:
+    """Packed-document loader over `training.dataset` / `training.dataset_path`."""
+    return _build(dp_world_size, dp_rank, tokenizer, job_config.training, "training", infinite)
+
+
+def build_packed_validation_dataloader(
+    dp_world_size: int,
+    dp_rank: int,
+    tokenizer: BaseTokenizer,
+    job_config: JobConfig,
+    infinite: bool = False,
+) -> ParallelAwareDataloader:
+    """Packed-document loader over `validation.dataset` / `validation.dataset_path`."""
+    return _build(dp_world_size, dp_rank, tokenizer, job_config.validation, "validation", infinite)
+
+
+def _build(dp_world_size, dp_rank, tokenizer, section_config, section: str, infinite: bool):
+    source = build_document_source(section_config.dataset, section_config.dataset_path, section)
+    logger.info(f"Packed {section} data from {source.description}")
+    dataset = PackedDocumentDataset(
+        source,
+        tokenizer,
+        seq_len=section_config.seq_len,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        infinite=infinite,
+    )
+    # ParallelAwareDataloader keys the saved state by dp rank, so each rank resumes its own shard.
+    return ParallelAwareDataloader(
+        dataset,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        **asdict(section_config.dataloader),
+        batch_size=section_config.local_batch_size,
+    )

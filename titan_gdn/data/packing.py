@@ -1,0 +1,123 @@
+"""Packing documents into fixed-length rows, sharded across data-parallel ranks, resumable."""
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset, get_worker_info
+from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.tools.logging import logger
+
+from titan_gdn.data.documents import DocumentSource
+
+Sample = tuple[dict[str, torch.Tensor], torch.Tensor]
+
+
+class PackedDocumentDataset(IterableDataset, Stateful):
+    """Documents encoded as BOS + text + EOS, concatenated, and cut into rows of seq_len + 1.
+
+    Rank r reads documents r, r + dp_world_size, ... so ranks see disjoint documents. Each row
+    yields ({"input": row[:-1]}, row[1:]). In infinite mode the tokens left at the end of an epoch
+    carry into the next one; a finite pass drops its last partial row, as torchtitan does.
+    Documents are tokenized one at a time, only when the buffer runs short of a row.
+
+    The state (epoch, documents read in this epoch, unconsumed tokens) is exactly what the
+    generator has consumed at its last yield, so restoring it continues the stream seamlessly.
+    """
+
+    def __init__(
+        self,
+        source: DocumentSource,
+        tokenizer: BaseTokenizer,
+        seq_len: int,
+        dp_rank: int = 0,
+        dp_world_size: int = 1,
+        infinite: bool = False,
+    ):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        if getattr(tokenizer, "eos_id", None) is None:
+            # Without EOS, packed documents run together and document boundaries are lost.
+            raise ValueError("The tokenizer has no EOS token; packed documents need one")
+        if not 0 <= dp_rank < dp_world_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside dp_world_size {dp_world_size}")
+        self.source = source
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self.infinite = infinite
+        self._epoch = 0
+        self._documents_read = 0
+        self._token_buffer: list[int] = []
+        # Rows are consumed by advancing this offset; copying the list tail per row would be
+        # quadratic in the length of a long document.
+        self._buffer_start = 0
+
+    def __iter__(self) -> Iterator[Sample]:
+        first, stride = self._shard()
+        while True:
+            start = first + self._documents_read * stride
+            for text in self.source.iter_documents(start, stride):
+                self._documents_read += 1
+                self._token_buffer.extend(self.tokenizer.encode(text, add_bos=True, add_eos=True))
+                yield from self._full_rows()
+            if self._documents_read == 0:
+                raise ValueError(
+                    f"{self.source.description} has no documents for dp rank {self.dp_rank} "
+                    f"(fewer documents than dp_world_size x dataloader workers = {stride})"
+                )
+            self._epoch += 1
+            self._documents_read = 0
+            if not self.infinite:
+                # Dropping the partial row here (not at the start of the next pass) lets a
+                # finite loader, e.g. validation, replay the same rows each time it is iterated.
+                self._token_buffer = []
+                return
+            logger.info(f"{self.source.description}: starting epoch {self._epoch}")
+
+    def _shard(self) -> tuple[int, int]:
+        """First document and stride of this rank's (and dataloader worker's) shard."""
+        worker = get_worker_info()
+        num_workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
+        return self.dp_rank + self.dp_world_size * worker_id, self.dp_world_size * num_workers
+
+    def _full_rows(self) -> Iterator[Sample]:
+        row_len = self.seq_len + 1
+        while len(self._token_buffer) - self._buffer_start >= row_len:
+            row_end = self._buffer_start + row_len
+            row = torch.tensor(self._token_buffer[self._buffer_start : row_end], dtype=torch.long)
+            self._buffer_start = row_end
+            yield {"input": row[:-1]}, row[1:]
+        del self._token_buffer[: self._buffer_start]
+        self._buffer_start = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source.description,
+            "epoch": self._epoch,
+            "documents_read": self._documents_read,
+            "token_buffer": self._token_buffer[self._buffer_start :],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("source") != self.source.description:
+            logger.warning(
+                f"Resuming data from {state_dict.get('source')} state on "
+                f"{self.source.description}; the document position may not line up"
+            )
+        self._epoch = state_dict["epoch"]
+        self._documents_read = state_dict["documents_read"]
+        self._token_buffer = list(state_dict["token_buffer"])
+        self._buffer_start = 0
+
+
+def documents_per_row(input_ids: torch.Tensor, eos_id: int) -> int:
+    """Number of document segments in a batch of packed rows, summed over rows.
+
+    Every row starts a segment, and so does each token that follows an EOS inside the row; a
+    document cut across two rows therefore counts once in each (it is two attention segments).
+    """
+    rows = input_ids.reshape(-1, input_ids.shape[-1])
+    return rows.shape[0] + int((rows[:, :-1] == eos_id).sum())
