@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Train titan_gdn with torchtitan's trainer, in the style of torchtitan's run_train.sh.
+#
+#   NGPU=1 ./run_train.sh                                  # train_configs/debug_model.toml
+#   CONFIG_FILE=./train_configs/x.toml ./run_train.sh --training.steps 5
+#
+# Arguments after the script are torchtitan config overrides (--section.key value).
+# NGPU: processes per node. Default: the visible CUDA GPUs, or 1 process when there are none;
+#   without an accelerator each process trains on CPU over gloo (titan_gdn/cpu.py).
+# LOG_RANK: local ranks whose output is shown (comma list). Default 0.
+#
+# Multi-node: run this script once per node with the same NNODES and either
+#   - MASTER_ADDR (+ MASTER_PORT, default 29500) and NODE_RANK: static rendezvous, node ranks
+#     fixed by NODE_RANK (0 on the node at MASTER_ADDR); or
+#   - RDZV_ENDPOINT=host:port (or MASTER_ADDR without NODE_RANK): c10d rendezvous at that
+#     address, node ranks assigned on arrival; RDZV_ID names the job (default titan_gdn).
+# scripts/slurm_example.sbatch shows it under Slurm.
+
+set -ex
+
+# The checkout's own packages (titan_gdn, tests.fixtures) import without a pip install.
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export PYTHONPATH="${SCRIPT_DIR}${PYTHONPATH:+:${PYTHONPATH}}"
+
+visible_gpus() {
+    python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" \
+        2>/dev/null || echo 0
+}
+
+if [ -z "${NGPU}" ]; then
+    NGPU=$(visible_gpus)
+    if [ "${NGPU}" -lt 1 ]; then NGPU=1; fi
+fi
+export LOG_RANK=${LOG_RANK:-0}
+CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_model.toml"}
+NNODES=${NNODES:-1}
+if [ "${NNODES}" -gt 1 ] && [ -z "${MASTER_ADDR}${RDZV_ENDPOINT}" ]; then
+    echo "NNODES=${NNODES} needs MASTER_ADDR (+ NODE_RANK) or RDZV_ENDPOINT" >&2
+    exit 2
+fi
+
+if [ -n "${MASTER_ADDR}" ] && [ -n "${NODE_RANK}" ] && [ -z "${RDZV_ENDPOINT}" ]; then
+    LAUNCH=(--nnodes="${NNODES}" --node-rank="${NODE_RANK}"
+            --master-addr="${MASTER_ADDR}" --master-port="${MASTER_PORT:-29500}")
+elif [ -n "${RDZV_ENDPOINT}" ] || [ -n "${MASTER_ADDR}" ]; then
+    LAUNCH=(--nnodes="${NNODES}" --rdzv_backend c10d --rdzv_id="${RDZV_ID:-titan_gdn}"
+            --rdzv_endpoint="${RDZV_ENDPOINT:-${MASTER_ADDR}:${MASTER_PORT:-29500}}")
+else
+    # Port 0: the launcher picks a free one, so concurrent single-node runs do not collide.
+    LAUNCH=(--rdzv_backend c10d --rdzv_endpoint="localhost:0")
+fi
+
+PYTORCH_ALLOC_CONF="expandable_segments:True" \
+torchrun --nproc_per_node="${NGPU}" "${LAUNCH[@]}" \
+    --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
+    -m titan_gdn.train --job.config_file "${CONFIG_FILE}" "$@"

@@ -1,0 +1,153 @@
+"""Make torchtitan 0.2.2 train on CPU + gloo when the machine has no accelerator.
+
+torchtitan decides its device once, at import (``tools/utils.py:37``), and falls back to
+``"cuda"`` when nothing is found; modules copy that decision into their own globals.
+:func:`use_cpu_if_no_accelerator` changes nothing when an accelerator is present; otherwise it
+
+- repoints every loaded ``torchtitan*`` module's ``device_type``/``device_module`` copy at
+  ``"cpu"`` and at a CPU device module (``tools/utils.py:42``, ``distributed/parallel_dims.py:12``,
+  ``distributed/utils.py:27``, ``components/metrics.py:21``, ``tools/profiling.py:16``), and makes
+  ``get_device_info`` answer CPU for modules imported later (``distributed/dual_pipe_v.py:187``);
+- gives that device module what ``torch.cpu`` lacks: ``get_device_name``,
+  ``get_device_properties`` (physical RAM), ``memory_stats`` (peak RSS), ``reset_peak_memory_stats``
+  and ``empty_cache`` for the memory monitor (``components/metrics.py:45-95``), and an integer
+  ``current_device`` for the pg-timeout barrier (``distributed/utils.py:386``);
+- drops the duplicate CPU backend that ``training.enable_cpu_offload`` requests
+  (``distributed/utils.py:333``).
+
+FSDP's ``PREMUL_SUM`` gradient reduction, which gloo lacks, is avoided where FSDP is applied:
+``titan_gdn.parallel.parallelize``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+from types import SimpleNamespace
+
+import torch
+from torch._utils import _get_available_device_type
+
+_CPU_ACTIVE = False
+_GIB = 1024**3
+
+
+def _peak_rss_bytes() -> int:
+    """This process's resident-set high-water mark (Linux VmHWM; else getrusage)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    # ru_maxrss is KiB on Linux and bytes on macOS.
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def _reset_peak_rss() -> None:
+    # Writing 5 to clear_refs resets VmHWM (Linux >= 4.0), so peaks become per log interval.
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _memory_stats(device=None) -> dict[str, int]:
+    # Peak RSS stands in for both the "active" and the "reserved" peaks; CPUs have no
+    # allocator retries or OOM counter.
+    peak = _peak_rss_bytes()
+    return {
+        "active_bytes.all.peak": peak,
+        "reserved_bytes.all.peak": peak,
+        "num_alloc_retries": 0,
+        "num_ooms": 0,
+    }
+
+
+class _CpuDeviceModule:
+    """``torch.cpu`` plus the ``torch.cuda``-style calls torchtitan makes on its device module."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def current_device() -> int:
+        # An index, not torch.cpu's "cpu": set_pg_timeouts passes it to barrier(device_ids=[...]).
+        return 0
+
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        return f"CPU {platform.processor() or platform.machine()}".strip()
+
+    @staticmethod
+    def get_device_properties(device=None) -> SimpleNamespace:
+        # The memory monitor divides by total_memory; 0 would crash, so fall back to 1 GiB.
+        return SimpleNamespace(total_memory=_physical_memory_bytes() or _GIB)
+
+    memory_stats = staticmethod(_memory_stats)
+    reset_peak_memory_stats = staticmethod(_reset_peak_rss)
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+
+def _skip_cpu_offload_backend(dist_utils) -> None:
+    init_distributed = dist_utils.init_distributed
+
+    # training.enable_cpu_offload asks for "cpu:gloo,cpu:gloo" here (distributed/utils.py:333),
+    # which c10d rejects as a duplicate; gloo already serves CPU tensors.
+    def init_distributed_on_cpu(comm_config, enable_cpu_backend=False, **kwargs):
+        return init_distributed(comm_config, False, **kwargs)
+
+    dist_utils.init_distributed = init_distributed_on_cpu
+
+
+def _rebind(stale_type: str, stale_module, device_module) -> None:
+    """Point every torchtitan module-level copy of the device at the CPU."""
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torchtitan"):
+            continue
+        if getattr(module, "device_type", None) == stale_type:
+            module.device_type = "cpu"
+        if getattr(module, "device_module", None) is stale_module:
+            module.device_module = device_module
+
+
+def use_cpu_if_no_accelerator() -> bool:
+    """Run torchtitan on CPU + gloo when no accelerator is present; return True if it does.
+
+    Idempotent. Modules imported later read the patched ``torchtitan.tools.utils`` values,
+    so call it before importing ``torchtitan.train``.
+    """
+    global _CPU_ACTIVE
+    if _CPU_ACTIVE:
+        return True
+    if _get_available_device_type() is not None:
+        return False
+    from torchtitan.tools import utils as tt_utils
+
+    stale_type, stale_module = tt_utils.device_type, tt_utils.device_module
+    device_module = _CpuDeviceModule()
+    # dual_pipe_v.py calls get_device_info() at import, so the function must answer CPU too.
+    tt_utils.get_device_info = lambda: ("cpu", device_module)
+    # Copies taken at import: tools/utils, distributed/{parallel_dims,utils}, components/metrics,
+    # tools/profiling (and any other torchtitan module already loaded).
+    _rebind(stale_type, stale_module, device_module)
+    from torchtitan.distributed import utils as dist_utils
+
+    _skip_cpu_offload_backend(dist_utils)
+    _CPU_ACTIVE = True
+    return True

@@ -1,0 +1,22 @@
+"""Training entry point: ``python -m titan_gdn.train --job.config_file X [overrides]``.
+
+The same as ``python -m torchtitan.train``, except that the device is settled first, so that a
+machine without an accelerator trains on CPU + gloo (see :mod:`titan_gdn.cpu`).
+"""
+
+from titan_gdn.cpu import use_cpu_if_no_accelerator
+
+
+def main() -> None:
+    # Before torchtitan.train is imported: it and its imports copy the device at import time.
+    use_cpu_if_no_accelerator()
+    from torchtitan.train import Trainer
+    from torchtitan.train import main as torchtitan_main
+
+    # torchtitan's own main: init_logger, ConfigManager().parse_args(), Trainer, train,
+    # close, destroy_process_group.
+    torchtitan_main(Trainer)
+
+
+if __name__ == "__main__":
+    main()
