@@ -1,0 +1,16 @@
+"""titan_gdn: Qwen3.5 hybrid models (Gated DeltaNet + gated attention) for torchtitan.
+
+Importing the package registers the `qwen3_5` TrainSpec, so a TOML config can select it with
+`[experimental] custom_import = "titan_gdn"` and `[model] name = "qwen3_5"`.
+"""
+
+from torchtitan.protocols.train_spec import _extra_train_specs, register_train_spec
+
+from titan_gdn.train_spec import TRAIN_SPEC_NAME, get_train_spec
+
+# torchtitan imports custom modules once per process, but tests may import us again after a
+# reload; registering twice would raise.
+if TRAIN_SPEC_NAME not in _extra_train_specs:
+    register_train_spec(TRAIN_SPEC_NAME, get_train_spec())
+
+__all__ = ["TRAIN_SPEC_NAME", "get_train_spec"]

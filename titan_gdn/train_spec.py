@@ -1,0 +1,32 @@
+"""The `qwen3_5` TrainSpec: what torchtitan needs to train the model."""
+
+from __future__ import annotations
+
+from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.tokenizer import build_hf_tokenizer
+from torchtitan.components.validate import build_validator
+from torchtitan.protocols.train_spec import TrainSpec
+
+from titan_gdn.data import build_packed_dataloader
+from titan_gdn.model import Qwen35Model, Qwen35StateDictAdapter, qwen3_5_args
+from titan_gdn.parallel.parallelize import parallelize_qwen3_5
+
+TRAIN_SPEC_NAME = "qwen3_5"
+
+
+def get_train_spec() -> TrainSpec:
+    return TrainSpec(
+        model_cls=Qwen35Model,
+        model_args=qwen3_5_args,
+        parallelize_fn=parallelize_qwen3_5,
+        pipelining_fn=None,
+        build_optimizers_fn=build_optimizers,
+        build_lr_schedulers_fn=build_lr_schedulers,
+        build_dataloader_fn=build_packed_dataloader,
+        build_tokenizer_fn=build_hf_tokenizer,
+        build_loss_fn=build_cross_entropy_loss,
+        build_validator_fn=build_validator,
+        state_dict_adapter=Qwen35StateDictAdapter,
+    )
