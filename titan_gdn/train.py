@@ -10,12 +10,13 @@ from titan_gdn.cpu import use_cpu_if_no_accelerator
 def main() -> None:
     # Before torchtitan.train is imported: it and its imports copy the device at import time.
     use_cpu_if_no_accelerator()
-    from torchtitan.train import Trainer
     from torchtitan.train import main as torchtitan_main
+
+    from titan_gdn.trainer import Qwen35Trainer
 
     # torchtitan's own main: init_logger, ConfigManager().parse_args(), Trainer, train,
     # close, destroy_process_group.
-    torchtitan_main(Trainer)
+    torchtitan_main(Qwen35Trainer)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,18 @@ from torch import nn
 from titan_gdn.layers.norms import ZeroCenteredRMSNorm
 from titan_gdn.layers.rope import apply_partial_rope
 from titan_gdn.ops.attention import document_causal_attention
+from titan_gdn.parallel.head_sharding import NO_SHARDING
 
 if TYPE_CHECKING:  # layers take boundaries; the model package imports layers
     from titan_gdn.model.documents import DocumentBoundaries
 
 
 class GatedAttention(nn.Module):
-    """Same stages as GatedDeltaNet: per-token `project`, per-head `mix`, per-token `output`."""
+    """Per-token projections, attention per head group over whole documents, per-token output.
+
+    A group is one KV head with the query heads that read it. When context parallel has more
+    ranks than KV heads, each KV head is repeated so that every rank owns whole groups.
+    """
 
     def __init__(self, args):
         super().__init__()
@@ -24,6 +29,7 @@ class GatedAttention(nn.Module):
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
         self.attn_backend = args.attn_backend
+        self.heads = NO_SHARDING
         # q_proj carries, per head, the query and its output gate side by side.
         self.q_proj = nn.Linear(args.dim, 2 * args.n_heads * args.head_dim, bias=False)
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -34,28 +40,39 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, docs: DocumentBoundaries, rope) -> torch.Tensor:
         q, k, v, gate = self.project(x)
-        return self.output(self.mix(q, k, v, docs, rope), gate)
+        q, k, v = self.heads.to_heads(q, k, v)
+        (o,) = self.heads.to_tokens(self.mix(q, k, v, docs, rope))
+        return self.output(o, gate)
+
+    @property
+    def groups(self) -> int:
+        return max(self.n_kv_heads, self.heads.degree)
 
     def project(self, x: torch.Tensor):
-        """q, k, v [B, T, heads, D] (q and k normalised per head) and the gate [B, T, H, D]."""
+        """Per token, per group: q [B,T,G,(H/G)*D], k, v [B,T,G,D], and the gate [B,T,H,D].
+        q and k are normalised per head."""
         batch, seq_len, _ = x.shape
         q, gate = self.q_proj(x).view(batch, seq_len, self.n_heads, 2 * self.head_dim).chunk(2, -1)
-        k = self.k_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim))
         v = self.v_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        return self.q_norm(q), self.k_norm(k), v, gate
+        repeats = self.groups // self.n_kv_heads
+        k, v = (t.repeat_interleave(repeats, dim=2) if repeats > 1 else t for t in (k, v))
+        return self.q_norm(q).flatten(2).unflatten(2, (self.groups, -1)), k, v, gate
 
     def mix(self, q, k, v, docs: DocumentBoundaries, rope) -> torch.Tensor:
-        """RoPE + document-causal attention over the whole sequence for the heads given."""
+        """RoPE + document-causal attention over the whole sequence for the groups given."""
         cos, sin = rope
-        q = apply_partial_rope(q.transpose(1, 2), cos, sin)
+        q = apply_partial_rope(
+            q.unflatten(-1, (-1, self.head_dim)).flatten(2, 3).transpose(1, 2), cos, sin
+        )
         k = apply_partial_rope(k.transpose(1, 2), cos, sin)
         o = document_causal_attention(
             q, k, v.transpose(1, 2), docs.document_ids, docs.block_mask, self.attn_backend
         )
-        return o.transpose(1, 2)
+        return o.transpose(1, 2).flatten(2).unflatten(2, (k.shape[1], -1))
 
     def output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return self.o_proj((o * torch.sigmoid(gate)).flatten(2))
+        return self.o_proj(o.flatten(2) * torch.sigmoid(gate.flatten(2)))
 
     def init_weights(self, std: float) -> None:
         for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):

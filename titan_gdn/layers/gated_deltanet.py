@@ -11,6 +11,7 @@ from torch import nn
 from titan_gdn.layers.norms import GatedRMSNorm
 from titan_gdn.ops.conv import causal_conv1d_silu
 from titan_gdn.ops.delta_rule import gated_delta_rule
+from titan_gdn.parallel.head_sharding import NO_SHARDING
 
 if TYPE_CHECKING:  # layers take boundaries; the model package imports layers
     from titan_gdn.model.documents import DocumentBoundaries
@@ -19,8 +20,8 @@ if TYPE_CHECKING:  # layers take boundaries; the model package imports layers
 class GatedDeltaNet(nn.Module):
     """Projections run per token; the conv and the delta rule run per head over whole documents.
 
-    The three stages (`project`, `mix`, `output`) are the seams where context parallelism
-    changes placements: tokens are sharded around `mix`, heads inside it.
+    Heads are handled in groups of one key head with the value heads that read it; a group is
+    the unit that `self.heads` places on a rank (all of them unless context parallel is on).
     """
 
     def __init__(self, args):
@@ -31,6 +32,7 @@ class GatedDeltaNet(nn.Module):
         self.head_v_dim = args.linear_value_head_dim
         self.conv_backend = args.conv_backend
         self.delta_rule_backend = args.delta_rule_backend
+        self.heads = NO_SHARDING
         key_dim = self.num_k_heads * self.head_k_dim
         value_dim = self.num_v_heads * self.head_v_dim
         self.in_proj_qkv = nn.Linear(args.dim, 2 * key_dim + value_dim, bias=False)
@@ -38,71 +40,71 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(args.dim, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(args.dim, self.num_v_heads, bias=False)
         # Depthwise conv over the q | k | v channels, one [K] filter per channel.
-        self.conv_weight = nn.Parameter(
-            torch.empty(2 * key_dim + value_dim, args.linear_conv_kernel_dim)
-        )
+        conv_dim, kernel = 2 * key_dim + value_dim, args.linear_conv_kernel_dim
+        self.conv_weight = nn.Parameter(torch.empty(conv_dim, kernel))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, eps=args.norm_eps)
         self.out_proj = nn.Linear(value_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, docs: DocumentBoundaries) -> torch.Tensor:
-        q, k, v, a, b = self.project(x)
-        o = self.mix(q, k, v, a, b, self.conv_weight, self.A_log, self.dt_bias, docs)
+        q, k, v, a, b = self.heads.to_heads(*self.project(x))
+        (o,) = self.heads.to_tokens(self.mix(q, k, v, a, b, docs))
         return self.output(o, x)
 
-    def project(self, x: torch.Tensor):
-        """Per-token projections, split per head: q, k [B,T,Hk,Dk]; v [B,T,Hv,Dv]; a, b [B,T,Hv]."""
-        batch, seq_len, _ = x.shape
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-token projections, per key-head group: q, k [B,T,Hk,Dk]; v [B,T,Hk,r*Dv];
+        a, b [B,T,Hk,r], where r = Hv / Hk value heads read each key head."""
         key_dim = self.num_k_heads * self.head_k_dim
-        q, k, v = self.in_proj_qkv(x).split(
-            [key_dim, key_dim, self.num_v_heads * self.head_v_dim], -1
+        value_dim = self.num_v_heads * self.head_v_dim
+        q, k, v = self.in_proj_qkv(x).split([key_dim, key_dim, value_dim], dim=-1)
+        groups = self.num_k_heads
+        return tuple(
+            t.unflatten(-1, (groups, -1)) for t in (q, k, v, self.in_proj_a(x), self.in_proj_b(x))
         )
-        q = q.view(batch, seq_len, self.num_k_heads, self.head_k_dim)
-        k = k.view(batch, seq_len, self.num_k_heads, self.head_k_dim)
-        v = v.view(batch, seq_len, self.num_v_heads, self.head_v_dim)
-        return q, k, v, self.in_proj_a(x), self.in_proj_b(x)
 
-    def mix(self, q, k, v, a, b, conv_weight, A_log, dt_bias, docs: DocumentBoundaries):
-        """Conv + delta rule over the whole (packed) sequence for the heads it is given.
-
-        The per-head parameters arrive as arguments so a caller can hand in the slices of the
-        heads it owns; q, k, v of one head are convolved with that head's filters.
-        """
-        batch, seq_len, k_heads, _ = q.shape
-        v_heads = v.shape[2]
-        sections = [q[0, 0].numel(), k[0, 0].numel(), v[0, 0].numel()]
+    def mix(self, q, k, v, a, b, docs: DocumentBoundaries) -> torch.Tensor:
+        """Conv + delta rule over the whole packed sequence for the groups given, output in
+        group layout [B, T, G, r*Dv]. The per-head parameters used are this rank's slices, so a
+        head meets its own filters, decay and step size."""
+        batch, seq_len, groups, _ = q.shape
+        v_heads = a.shape[2] * a.shape[3]
         # Packed layout for the varlen kernels: rows end to end, [1, B*T, channels].
-        qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1).view(
-            1, batch * seq_len, -1
+        qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
+        qkv = causal_conv1d_silu(
+            qkv.view(1, batch * seq_len, -1),
+            self._local_conv_weight(),
+            docs.cu_seqlens,
+            self.conv_backend,
         )
-        qkv = causal_conv1d_silu(qkv, conv_weight, docs.cu_seqlens, self.conv_backend)
-        q, k, v = qkv.split(sections, dim=-1)
-        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+        q, k, v = qkv.split([q[0, 0].numel(), k[0, 0].numel(), v[0, 0].numel()], dim=-1)
+        A_log, dt_bias = self.heads.local(self.A_log), self.heads.local(self.dt_bias)
+        g = -A_log.float().exp() * F.softplus(a.flatten(2).float() + dt_bias)
         o = gated_delta_rule(
-            q.view(1, -1, k_heads, self.head_k_dim),
-            k.view(1, -1, k_heads, self.head_k_dim),
+            q.view(1, -1, groups, self.head_k_dim),
+            k.view(1, -1, groups, self.head_k_dim),
             v.view(1, -1, v_heads, self.head_v_dim),
             g.view(1, -1, v_heads),
-            b.sigmoid().view(1, -1, v_heads),
+            b.flatten(2).sigmoid().view(1, -1, v_heads),
             docs.cu_seqlens,
             backend=self.delta_rule_backend,
         )
-        return o.view(batch, seq_len, v_heads, self.head_v_dim)
+        return o.view(batch, seq_len, groups, -1)
+
+    def _local_conv_weight(self) -> torch.Tensor:
+        key_dim = self.num_k_heads * self.head_k_dim
+        sections = self.conv_weight.split([key_dim, key_dim, self.num_v_heads * self.head_v_dim])
+        return torch.cat([self.heads.local(w) for w in sections])
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Gated norm with silu(z) per head, then the output projection (per token)."""
+        o = o.unflatten(-1, (-1, self.head_v_dim)).flatten(2, 3)
         z = self.in_proj_z(x).view_as(o)
         return self.out_proj(self.norm(o, z).flatten(2))
 
     def init_weights(self, std: float) -> None:
-        for linear in (
-            self.in_proj_qkv,
-            self.in_proj_z,
-            self.in_proj_b,
-            self.in_proj_a,
-            self.out_proj,
-        ):
+        linears = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a, self.out_proj)
+        for linear in linears:
             nn.init.normal_(linear.weight, mean=0.0, std=std)
         nn.init.normal_(self.conv_weight, mean=0.0, std=std)
         nn.init.ones_(self.dt_bias)

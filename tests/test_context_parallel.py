@@ -1,0 +1,95 @@
+"""Context parallel is exact: cp = N gives the outputs and gradients of cp = 1 (fp32, gloo)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+
+from tests.conftest import relative_error
+from tests.distributed import run_on_ranks
+from titan_gdn.model import DocumentBoundaries, Qwen35Model, qwen3_5_args
+from titan_gdn.parallel.context_parallel import context_parallel_problems
+from titan_gdn.parallel.parallelize import parallelize_qwen3_5
+
+EOS = 0
+SEQ_LEN = 192
+
+
+def _model() -> Qwen35Model:
+    torch.manual_seed(0)
+    model = Qwen35Model(copy.deepcopy(qwen3_5_args["debugmodel"]))
+    model.init_weights()
+    with torch.no_grad():  # off their init values, so a wrong slice of them shows
+        for name, param in model.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    return model
+
+
+def _global_batch(rows: int) -> torch.Tensor:
+    """Packed rows whose documents cross every shard boundary, with length-1 documents."""
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(1, 2048, (rows, SEQ_LEN + 1), generator=gen)
+    tokens[0, [0, 1, 30, 31, 100, 101, 102, 150]] = EOS  # 1-token documents, odd lengths
+    tokens[1:, torch.randint(0, SEQ_LEN, (5,), generator=gen)] = EOS
+    return tokens
+
+
+def _job_config() -> JobConfig:
+    job = JobConfig()
+    job.activation_checkpoint.mode = "none"
+    job.training.mixed_precision_param = "float32"
+    return job
+
+
+def _check_cp_matches_single_process(rank, world_size, dp_shard, cp):
+    reference = _model()
+    model = copy.deepcopy(reference)
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=dp_shard, cp=cp, tp=1, pp=1, ep=1, etp=1, world_size=world_size
+    )
+    dims.build_mesh()
+    model = parallelize_qwen3_5(model, dims, _job_config())
+
+    batch = _global_batch(rows=2 * dp_shard)
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    total_tokens = labels.numel()
+
+    ref_logits = reference(inputs, attention_masks=DocumentBoundaries.from_tokens(inputs, EOS))
+    F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), reduction="sum").div(
+        total_tokens
+    ).backward()
+
+    dp_rank = dims.get_mesh("batch").get_local_rank() if dp_shard > 1 else 0
+    cp_rank = dims.get_mesh("cp").get_local_rank()
+    rows = slice(2 * dp_rank, 2 * dp_rank + 2)
+    tokens = slice(cp_rank * SEQ_LEN // cp, (cp_rank + 1) * SEQ_LEN // cp)
+    docs = DocumentBoundaries.from_tokens(inputs[rows], EOS)  # global: the rank's whole rows
+    logits = model(inputs[rows, tokens], attention_masks=docs)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels[rows, tokens].flatten(), reduction="sum")
+    (loss / total_tokens).backward()
+
+    assert relative_error(logits, ref_logits[rows, tokens]) <= 1e-5
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        error = relative_error(param.grad.full_tensor(), expected[name].grad)
+        assert error <= 1e-5, f"{name}: {error:.2e}"
+
+
+@pytest.mark.parametrize("dp_shard, cp", [(1, 2), (1, 4), (2, 2)])
+def test_context_parallel_equals_single_process(dp_shard, cp):
+    run_on_ranks(dp_shard * cp, _check_cp_matches_single_process, dp_shard, cp)
+
+
+def test_bad_degrees_name_the_setting():
+    args = qwen3_5_args["debugmodel"]  # 4 key heads, 8 value heads, 4 attention heads, 2 KV
+    assert context_parallel_problems(args, 2, 192) == []
+    assert context_parallel_problems(args, 4, 192) == []  # KV heads repeated twice
+    problems = " ".join(context_parallel_problems(args, 3, 100))
+    assert "training.seq_len = 100" in problems
+    assert "linear_num_key_heads = 4" in problems and "n_heads = 4" in problems
+    assert "context_parallel_degree = 3" in problems
+    assert "n_kv_heads" in " ".join(context_parallel_problems(args, 8, 192))

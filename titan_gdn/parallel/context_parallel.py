@@ -1,0 +1,67 @@
+"""Context parallelism for the hybrid model, as head placements on the `cp` mesh dimension.
+
+Every mixer (Gated DeltaNet and gated attention alike) runs its projections on a contiguous
+sequence shard and its sequence mixing over the whole sequence for 1/N of its head groups
+(see `HeadSharding`). Document boundaries are computed once on the global sequence, so
+documents may cross shard boundaries freely and only seq_len % N == 0 is required.
+
+torchtitan's CP load balancer (head-tail / PTRR reordering of tokens) is not used: each rank
+mixes every token for its heads, so the work is balanced by construction, and the conv and
+the recurrent state need the tokens in order. `shard_sequence` cuts contiguous shards instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_gdn.model.args import Qwen35ModelArgs
+from titan_gdn.parallel.head_sharding import HeadSharding
+
+
+def context_parallel_problems(args: Qwen35ModelArgs, degree: int, seq_len: int) -> list[str]:
+    """Why `args` cannot run with context_parallel_degree = `degree`, as messages naming the
+    setting and a fix; empty when it can."""
+    if degree <= 1:
+        return []
+    setting = f"parallelism.context_parallel_degree = {degree}"
+    problems = []
+    if seq_len % degree:
+        problems.append(
+            f"training.seq_len = {seq_len} is not divisible by {setting}; "
+            f"use a multiple of {degree}"
+        )
+    per_head = {
+        "linear_num_key_heads": args.linear_num_key_heads,
+        "linear_num_value_heads": args.linear_num_value_heads,
+        "n_heads": args.n_heads,
+    }
+    for name, heads in per_head.items():
+        if heads % degree:
+            problems.append(
+                f"model {name} = {heads} is not divisible by {setting}; "
+                "choose a degree that divides it"
+            )
+    kv = args.n_kv_heads
+    # KV heads fewer than the degree are repeated, which needs whole repeats per rank.
+    if kv % degree and (degree % kv or args.n_heads % degree):
+        problems.append(
+            f"model n_kv_heads = {kv} can neither be split nor evenly repeated over {setting}; "
+            "choose a degree that divides it or a multiple of it that divides n_heads"
+        )
+    return problems
+
+
+def apply_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Place every mixer's heads on `cp_mesh`: from now on they run head-sharded."""
+    problems = context_parallel_problems(model.model_args, cp_mesh.size(), seq_len=0)
+    if problems:
+        raise ValueError("context parallel cannot shard this model: " + "; ".join(problems))
+    sharding = HeadSharding(cp_mesh)
+    for layer in model.layers.values():
+        layer.mixer.heads = sharding
+
+
+def shard_sequence(tensor: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's contiguous slice of a [B, T, ...] tensor along the sequence."""
+    return tensor.chunk(cp_mesh.size(), dim=1)[cp_mesh.get_local_rank()]
