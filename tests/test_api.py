@@ -50,3 +50,13 @@ def test_get_attention_masks_reads_the_tokenizer_eos_and_forward_uses_them():
     unmasked = model(tokens)
     assert torch.equal(logits[:, :21][0], unmasked[0, :21])
     assert not torch.allclose(logits[0, 21:], unmasked[0, 21:])
+
+
+def test_tied_output_survives_meta_init_as_torchtitan_builds_models():
+    with torch.device("meta"):
+        model = Qwen35Model(qwen3_5_args["debugmodel"])
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    assert model.output.weight is model.tok_embeddings.weight
+    assert model.output.weight.std() > 0.01

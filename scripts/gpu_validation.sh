@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# GPU validation on 2 GPUs: kernel tests, training runs and the cp=2 vs cp=1 comparison.
+# Results (logs, a summary table and JSON) go to $RESULTS (default ./outputs/gpu_validation).
+#
+#   scripts/gpu_validation.sh part1   # GPU tests (GPU 1) | seed + 0.8B cp=1 at 32k (GPU 0);
+#                                     # then the debug config on 2 GPUs
+#   scripts/gpu_validation.sh part2   # 0.8B at 8k on 2 GPUs (FSDP); 0.8B cp=2 at 32k
+#   scripts/gpu_validation.sh summary # the table; needs the logs of both parts
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=${RESULTS:-./outputs/gpu_validation}
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 LOG_RANK=0
+
+SEQ_CP=${SEQ_CP:-32768}
+STEPS_CP=${STEPS_CP:-50}
+BIG=(--model.flavor 0.8B --training.local_batch_size 1 --training.mixed_precision_param bfloat16
+     --activation_checkpoint.mode full --optimizer.lr 3e-4 --lr_scheduler.warmup_steps 5
+     --metrics.log_freq 1)
+SEED_DIR="$RESULTS/seed"
+
+train() {  # train NAME NGPU [overrides...]
+    local name=$1 ngpu=$2; shift 2
+    NGPU=$ngpu ./run_train.sh --job.dump_folder "$RESULTS/$name" "$@" >"$RESULTS/$name.log" 2>&1
+    echo "$name: exit $?"
+}
+
+part1() {
+    CUDA_VISIBLE_DEVICES=1 python -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider \
+        >"$RESULTS/gpu_tests.log" 2>&1 &
+    local tests=$!
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        train seed 1 "${BIG[@]}" --training.seq_len "$SEQ_CP" --checkpoint.enable \
+            --checkpoint.create_seed_checkpoint
+        train cp1_seq32k 1 "${BIG[@]}" --training.seq_len "$SEQ_CP" --training.steps "$STEPS_CP" \
+            --checkpoint.initial_load_path "$SEED_DIR/checkpoint/step-0" --checkpoint.enable \
+            --checkpoint.interval 100000
+    )
+    wait $tests; echo "gpu tests: exit $?"; tail -3 "$RESULTS/gpu_tests.log"
+    train debug_2gpu 2 --training.steps 30 --metrics.log_freq 5
+}
+
+part2() {
+    train fsdp2_seq8k 2 "${BIG[@]}" --training.seq_len 8192 --training.steps 25
+    train cp2_seq32k 2 "${BIG[@]}" --training.seq_len "$SEQ_CP" --training.steps "$STEPS_CP" \
+        --parallelism.context_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 \
+        --checkpoint.initial_load_path "$SEED_DIR/checkpoint/step-0" --checkpoint.enable \
+        --checkpoint.interval 100000
+}
+
+summary() {
+    grep -E "conv|attention|model bf16|delta|passed|failed" "$RESULTS/gpu_tests.log" | tail -12
+    python scripts/summarize_runs.py "$RESULTS"/{debug_2gpu,fsdp2_seq8k,cp1_seq32k,cp2_seq32k}.log \
+        --compare "$RESULTS/cp2_seq32k.log" "$RESULTS/cp1_seq32k.log" --json "$RESULTS/summary.json"
+}
+
+"${1:-summary}"
