@@ -2,10 +2,10 @@
 # GPU validation on 2 GPUs: kernel tests, training runs and the cp=2 vs cp=1 comparison.
 # Results (logs, a summary table and JSON) go to $RESULTS (default ./outputs/gpu_validation).
 #
-#   scripts/gpu_validation.sh part1   # GPU tests (GPU 1) | seed + 0.8B cp=1 at 32k (GPU 0);
-#                                     # then the debug config on 2 GPUs
-#   scripts/gpu_validation.sh part2   # 0.8B at 8k on 2 GPUs (FSDP); 0.8B cp=2 at 32k
-#   scripts/gpu_validation.sh summary # the table; needs the logs of both parts
+#   scripts/gpu_validation.sh all              # everything below, in order
+#   scripts/gpu_validation.sh seed cp2 summary # single steps: gpu_tests seed cp1 cp2 fsdp debug
+# The seed checkpoint is deterministic (CPU init from debug.seed), so runs made on different
+# machines from their own seed start from the same weights.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${RESULTS:-./outputs/gpu_validation}
@@ -25,34 +25,47 @@ train() {  # train NAME NGPU [overrides...]
     echo "$name: exit $?"
 }
 
-part1() {
-    CUDA_VISIBLE_DEVICES=1 python -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider \
-        >"$RESULTS/gpu_tests.log" 2>&1 &
-    local tests=$!
-    (
-        export CUDA_VISIBLE_DEVICES=0
-        train seed 1 "${BIG[@]}" --training.seq_len "$SEQ_CP" --checkpoint.enable \
-            --checkpoint.create_seed_checkpoint
-        train cp1_seq32k 1 "${BIG[@]}" --training.seq_len "$SEQ_CP" --training.steps "$STEPS_CP" \
-            --checkpoint.initial_load_path "$SEED_DIR/checkpoint/step-0" --checkpoint.enable \
-            --checkpoint.interval 100000
-    )
-    wait $tests; echo "gpu tests: exit $?"; tail -3 "$RESULTS/gpu_tests.log"
-    train debug_2gpu 2 --training.steps 30 --metrics.log_freq 5
+seed() {
+    CUDA_VISIBLE_DEVICES=0 train seed 1 "${BIG[@]}" --training.seq_len "$SEQ_CP" \
+        --checkpoint.enable --checkpoint.create_seed_checkpoint
 }
 
-part2() {
-    train fsdp2_seq8k 2 "${BIG[@]}" --training.seq_len 8192 --training.steps 25
+gpu_tests() {
+    CUDA_VISIBLE_DEVICES=${TEST_GPU:-0} python -m pytest -m gpu tests/gpu -q -s --tb=short \
+        -p no:cacheprovider >"$RESULTS/gpu_tests.log" 2>&1
+    echo "gpu tests: exit $?"
+}
+
+cp1() {
+    CUDA_VISIBLE_DEVICES=0 train cp1_seq32k 1 "${BIG[@]}" --training.seq_len "$SEQ_CP" \
+        --training.steps "$STEPS_CP" --checkpoint.initial_load_path "$SEED_DIR/checkpoint/step-0" \
+        --checkpoint.enable --checkpoint.interval 100000
+}
+
+cp2() {
     train cp2_seq32k 2 "${BIG[@]}" --training.seq_len "$SEQ_CP" --training.steps "$STEPS_CP" \
         --parallelism.context_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 \
         --checkpoint.initial_load_path "$SEED_DIR/checkpoint/step-0" --checkpoint.enable \
         --checkpoint.interval 100000
 }
 
+fsdp() {
+    train fsdp2_seq8k 2 "${BIG[@]}" --training.seq_len 8192 --training.steps 25
+}
+
+debug() {
+    train debug_2gpu 2 --training.steps 30 --metrics.log_freq 5
+}
+
+all() {  # the order of one session's runs: tests on GPU 1 while GPU 0 makes the seed
+    TEST_GPU=1 gpu_tests & seed; wait
+    cp1; cp2; fsdp; debug
+}
+
 summary() {
     grep -E "conv|attention|model bf16|delta|passed|failed" "$RESULTS/gpu_tests.log" | tail -12
-    python scripts/summarize_runs.py "$RESULTS"/{debug_2gpu,fsdp2_seq8k,cp1_seq32k,cp2_seq32k}.log \
+    python scripts/summarize_runs.py $(ls "$RESULTS"/{debug_2gpu,fsdp2_seq8k,cp1_seq32k,cp2_seq32k}.log 2>/dev/null) \
         --compare "$RESULTS/cp2_seq32k.log" "$RESULTS/cp1_seq32k.log" --json "$RESULTS/summary.json"
 }
 
-"${1:-summary}"
+for step in "${@:-summary}"; do "$step"; done

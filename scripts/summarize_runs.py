@@ -26,7 +26,9 @@ def parse(path: str) -> dict:
         match = STEP.search(ANSI.sub("", line))
         if match:
             step, loss, memory, tps = match.groups()
-            steps[int(step)] = dict(loss=float(loss), memory_gib=float(memory), tps=int(tps.replace(",", "")))
+            steps[int(step)] = dict(
+                loss=float(loss), memory_gib=float(memory), tps=int(tps.replace(",", ""))
+            )
     return steps
 
 
@@ -63,11 +65,15 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = [summary(Path(p).stem, parse(p)) for p in args.logs]
-    print(f"{'run':28s} {'steps':>5s} {'loss first':>10s} {'loss last':>10s} {'tok/s/GPU':>10s} {'peak GiB':>9s}")
+    print(
+        f"{'run':28s} {'steps':>5s} {'loss first':>10s} {'loss last':>10s} {'tok/s/GPU':>10s} {'peak GiB':>9s}"
+    )
     for r in rows:
         if r["steps"]:
-            print(f"{r['run']:28s} {r['steps']:5d} {r['first_loss']:10.4f} {r['last_loss']:10.4f} "
-                  f"{r['median_tps_per_gpu']:10.0f} {r['peak_memory_gib']:9.2f}")
+            print(
+                f"{r['run']:28s} {r['steps']:5d} {r['first_loss']:10.4f} {r['last_loss']:10.4f} "
+                f"{r['median_tps_per_gpu']:10.0f} {r['peak_memory_gib']:9.2f}"
+            )
         else:
             print(f"{r['run']:28s} no steps logged")
     comparisons = []

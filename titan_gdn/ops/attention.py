@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from titan_gdn.ops.backends import resolve_backend
 
@@ -30,6 +30,9 @@ def document_causal_block_mask(document_ids: torch.Tensor) -> BlockMask:
 
 
 _compiled_create_block_mask = torch.compile(create_block_mask)
+# Plain compile, not torchtitan's max-autotune wrapper: autotuning every flex config at head
+# dim 256 took minutes per shape on an H200 before the first step.
+_compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
 
 def document_causal_attention(
@@ -45,9 +48,7 @@ def document_causal_attention(
     if backend == "flex":
         if block_mask is None:
             block_mask = document_causal_block_mask(document_ids)
-        from torchtitan.models.attention import FlexAttentionWrapper
-
-        return FlexAttentionWrapper._compiled_flex_attn(
+        return _compiled_flex_attention(
             q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1]
         )
     seq_len = q.shape[2]
