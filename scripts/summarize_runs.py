@@ -65,9 +65,8 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = [summary(Path(p).stem, parse(p)) for p in args.logs]
-    print(
-        f"{'run':28s} {'steps':>5s} {'loss first':>10s} {'loss last':>10s} {'tok/s/GPU':>10s} {'peak GiB':>9s}"
-    )
+    header = ("run", "steps", "loss first", "loss last", "tok/s/GPU", "peak GiB")
+    print("{:28s} {:>5s} {:>10s} {:>10s} {:>10s} {:>9s}".format(*header))
     for r in rows:
         if r["steps"]:
             print(

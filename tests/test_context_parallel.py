@@ -11,6 +11,7 @@ from torchtitan.distributed import ParallelDims
 from tests.conftest import relative_error
 from tests.distributed import run_on_ranks
 from titan_gdn.model import DocumentBoundaries, Qwen35Model, qwen3_5_args
+from titan_gdn.model.args import job_config_problems
 from titan_gdn.parallel.context_parallel import context_parallel_problems
 from titan_gdn.parallel.parallelize import parallelize_qwen3_5
 
@@ -87,10 +88,16 @@ def test_context_parallel_equals_single_process(dp_shard, cp):
 
 def test_bad_degrees_name_the_setting():
     args = qwen3_5_args["debugmodel"]  # 4 key heads, 8 value heads, 4 attention heads, 2 KV
-    assert context_parallel_problems(args, 2, 192) == []
-    assert context_parallel_problems(args, 4, 192) == []  # KV heads repeated twice
-    problems = " ".join(context_parallel_problems(args, 3, 100))
-    assert "training.seq_len = 100" in problems
+    assert context_parallel_problems(args, 2) == []
+    assert context_parallel_problems(args, 4) == []  # KV heads repeated twice
+    problems = " ".join(context_parallel_problems(args, 3))
     assert "linear_num_key_heads = 4" in problems and "n_heads = 4" in problems
     assert "context_parallel_degree = 3" in problems
-    assert "n_kv_heads" in " ".join(context_parallel_problems(args, 8, 192))
+    assert "n_kv_heads" in " ".join(context_parallel_problems(args, 8))
+
+    job = _job_config()
+    job.parallelism.context_parallel_degree = 3
+    job.training.seq_len = 100
+    problems = " ".join(job_config_problems(args, job))
+    assert "training.seq_len = 100 is not divisible by" in problems
+    assert "linear_num_key_heads = 4" in problems

@@ -180,7 +180,7 @@ def test_use_cpu_if_no_accelerator_points_torchtitan_at_cpu():
     assert stats.num_alloc_retries == 0 and stats.num_ooms == 0
 
 
-@pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+@pytest.mark.gpu
 def test_use_cpu_if_no_accelerator_is_a_no_op_with_an_accelerator():
     import torchtitan.tools.utils as tt_utils
 

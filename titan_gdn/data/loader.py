@@ -1,5 +1,6 @@
 """TrainSpec data loader builders, drop-in for torchtitan's build_text_(validation_)dataloader."""
 
+from collections.abc import Iterator
 from dataclasses import asdict
 
 from torchtitan.components.dataloader import ParallelAwareDataloader
@@ -8,7 +9,24 @@ from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
 
 from titan_gdn.data.documents import build_document_source
-from titan_gdn.data.packing import PackedDocumentDataset
+from titan_gdn.data.packing import PackedDocumentDataset, documents_per_row
+from titan_gdn.metrics import TRAINING_DOCUMENTS, DocumentTally
+
+
+class DocumentCountingDataloader(ParallelAwareDataloader):
+    """A ParallelAwareDataloader that counts the packed documents of each batch it hands out
+    (into `tally`, read by the metrics processor)."""
+
+    def __init__(self, dataset, *, eos_id: int, tally: DocumentTally, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.eos_id = eos_id
+        self.tally = tally
+
+    def __iter__(self) -> Iterator:
+        for batch in super().__iter__():
+            input_dict, _ = batch
+            self.tally.add(documents_per_row(input_dict["input"], self.eos_id))
+            yield batch
 
 
 def build_packed_dataloader(
@@ -18,8 +36,12 @@ def build_packed_dataloader(
     job_config: JobConfig,
     infinite: bool = True,
 ) -> ParallelAwareDataloader:
-    """Packed-document loader over `training.dataset` / `training.dataset_path`."""
-    return _build(dp_world_size, dp_rank, tokenizer, job_config.training, "training", infinite)
+    """Packed-document loader over `training.dataset` / `training.dataset_path`; it counts the
+    documents it hands out for the `documents_per_step` metric."""
+    counting = {"eos_id": tokenizer.eos_id, "tally": TRAINING_DOCUMENTS}
+    return _build(
+        dp_world_size, dp_rank, tokenizer, job_config.training, "training", infinite, counting
+    )
 
 
 def build_packed_validation_dataloader(
@@ -33,7 +55,15 @@ def build_packed_validation_dataloader(
     return _build(dp_world_size, dp_rank, tokenizer, job_config.validation, "validation", infinite)
 
 
-def _build(dp_world_size, dp_rank, tokenizer, section_config, section: str, infinite: bool):
+def _build(
+    dp_world_size,
+    dp_rank,
+    tokenizer,
+    section_config,
+    section: str,
+    infinite: bool,
+    counting: dict | None = None,
+):
     source = build_document_source(section_config.dataset, section_config.dataset_path, section)
     logger.info(f"Packed {section} data from {source.description}")
     dataset = PackedDocumentDataset(
@@ -45,10 +75,12 @@ def _build(dp_world_size, dp_rank, tokenizer, section_config, section: str, infi
         infinite=infinite,
     )
     # ParallelAwareDataloader keys the saved state by dp rank, so each rank resumes its own shard.
-    return ParallelAwareDataloader(
-        dataset,
+    loader_kwargs = dict(
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         **asdict(section_config.dataloader),
         batch_size=section_config.local_batch_size,
     )
+    if counting is None:
+        return ParallelAwareDataloader(dataset, **loader_kwargs)
+    return DocumentCountingDataloader(dataset, **counting, **loader_kwargs)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 from torch import nn
@@ -92,19 +95,19 @@ class Qwen35ModelArgs(BaseModelArgs):
             raise ValueError("Invalid Qwen3.5 model args: " + "; ".join(problems))
 
     def update_from_config(self, job_config, **kwargs) -> None:
-        seq_len = job_config.training.seq_len
-        if seq_len > self.max_seq_len:
+        """Check the job's settings against these args; every error names the setting to fix.
+
+        torchtitan 0.2.2's Trainer calls this without the tokenizer (train.py:140); the
+        TrainSpec's tokenizer builder calls it again with ``tokenizer=`` so that the vocabulary
+        is checked too, before the data loader and the model are built.
+        """
+        problems = job_config_problems(self, job_config, kwargs.get("tokenizer"))
+        if problems:
             raise ValueError(
-                f"training.seq_len = {seq_len} exceeds the model's max_seq_len = "
-                f"{self.max_seq_len}; lower training.seq_len"
+                f"model.flavor = {job_config.model.flavor!r} cannot train with this job config: "
+                + "; ".join(problems)
             )
-        tokenizer = kwargs.get("tokenizer")
-        if tokenizer is not None and tokenizer.get_vocab_size() > self.vocab_size:
-            raise ValueError(
-                f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's "
-                f"vocab_size is {self.vocab_size}; use a flavor with a larger vocab or a "
-                "tokenizer that fits (model.hf_assets_path)"
-            )
+        _settle_cp_load_balancer(job_config)
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         from titan_gdn.model.flops import count_params_and_flops
@@ -193,34 +196,155 @@ def _flavor(dim, n_layers, n_heads, n_kv_heads, hidden_dim, v_heads, tied) -> Qw
     )
 
 
+FROM_HF_CONFIG = "from_hf_config"
+# Kernel choices are ours, not the checkpoint's: the from_hf_config flavor keeps them.
+_BACKEND_FIELDS = ("delta_rule_backend", "conv_backend", "attn_backend")
+
+
+def job_config_problems(args: Qwen35ModelArgs, job_config, tokenizer=None) -> list[str]:
+    """Why `args` cannot train with `job_config` (and `tokenizer`), as messages that name the
+    setting to change; empty when it can."""
+    problems = []
+    cp = job_config.parallelism.context_parallel_degree
+    sections = [("training", job_config.training)]
+    if job_config.validation.enable:
+        sections.append(("validation", job_config.validation))
+    for section, config in sections:
+        if config.seq_len > args.max_seq_len:
+            problems.append(
+                f"{section}.seq_len = {config.seq_len} exceeds the model's max_seq_len = "
+                f"{args.max_seq_len}; lower {section}.seq_len"
+            )
+        if cp > 1 and config.seq_len % cp:
+            problems.append(
+                f"{section}.seq_len = {config.seq_len} is not divisible by "
+                f"parallelism.context_parallel_degree = {cp}; use a multiple of {cp}"
+            )
+    # Imported here: the parallel package imports these args.
+    from titan_gdn.parallel.context_parallel import context_parallel_problems
+
+    problems += context_parallel_problems(args, cp)
+    if tokenizer is not None and tokenizer.get_vocab_size() > args.vocab_size:
+        problems.append(
+            f"the tokenizer in model.hf_assets_path = {job_config.model.hf_assets_path!r} has "
+            f"{tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
+            f"{args.vocab_size}; use a tokenizer that fits or a flavor with a larger vocab"
+        )
+    return problems
+
+
+def _settle_cp_load_balancer(job_config) -> None:
+    # TOML has no null and torchtitan rejects "" (config/job_config.py:440), so a config says
+    # context_parallel_load_balancer = "none"; torchtitan's CP helpers want None for "do not
+    # reorder tokens" (distributed/context_parallel.py:184).
+    parallelism = job_config.parallelism
+    balancer = parallelism.context_parallel_load_balancer
+    if isinstance(balancer, str) and balancer.lower() == "none":
+        parallelism.context_parallel_load_balancer = None
+
+
+def read_hf_config(hf_assets_path: str | None) -> dict[str, Any]:
+    """`<hf_assets_path>/config.json`, for the from_hf_config flavor."""
+    path = os.path.join(hf_assets_path or "", "config.json")
+    if not hf_assets_path or not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"model.flavor = {FROM_HF_CONFIG!r} reads config.json from model.hf_assets_path, "
+            f"but {path!r} does not exist; point model.hf_assets_path at a Qwen3.5 checkpoint "
+            "folder (config.json and tokenizer files) or choose a named model.flavor"
+        )
+    with open(path) as f:
+        return json.load(f)
+
+
+@dataclass
+class Qwen35ArgsFromHFConfig(Qwen35ModelArgs):
+    """The `from_hf_config` flavor: all fields come from `<model.hf_assets_path>/config.json`
+    (a transformers Qwen3.5 config, text or multimodal), read when the trainer calls
+    `update_from_config`; until then they are the defaults."""
+
+    def update_from_config(self, job_config, **kwargs) -> None:
+        config = read_hf_config(job_config.model.hf_assets_path)
+        backends = {name: getattr(self, name) for name in _BACKEND_FIELDS}
+        try:
+            loaded = Qwen35ModelArgs.from_hf_config(config, **backends)
+        except KeyError as missing:
+            raise ValueError(
+                f"model.flavor = {FROM_HF_CONFIG!r}: the config.json in model.hf_assets_path = "
+                f"{job_config.model.hf_assets_path!r} is not a Qwen3.5 config "
+                f"(it has no {missing})"
+            ) from None
+        for field in fields(Qwen35ModelArgs):
+            setattr(self, field.name, getattr(loaded, field.name))
+        super().update_from_config(job_config, **kwargs)
+
+
+class UnknownFlavorError(KeyError):
+    # KeyError's str() is the repr of its argument; show the message as written.
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class Qwen35Flavors(Mapping[str, Qwen35ModelArgs]):
+    """The TrainSpec's flavors. torchtitan looks `model.flavor` up with `[]` (train.py:138); an
+    unknown name fails with a message naming the setting and the choices."""
+
+    def __init__(self, flavors: dict[str, Qwen35ModelArgs]):
+        self._flavors = dict(flavors)
+
+    def __getitem__(self, name: str) -> Qwen35ModelArgs:
+        try:
+            return self._flavors[name]
+        except KeyError:
+            raise UnknownFlavorError(
+                f"model.flavor = {name!r} is not a qwen3_5 flavor; choose one of "
+                f"{', '.join(self._flavors)}"
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._flavors)
+
+    def __len__(self) -> int:
+        return len(self._flavors)
+
+
 # Published Qwen3.5 text configs (dense). The debug model is tiny but keeps both layer types,
 # grouped value heads and fewer KV heads than attention heads, so every code path is exercised.
-qwen3_5_args: dict[str, Qwen35ModelArgs] = {
-    "debugmodel": Qwen35ModelArgs(
-        dim=256,
-        n_layers=4,
-        vocab_size=2048,
-        hidden_dim=512,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=64,
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        # 128 as in the published sizes: FLA's Hopper backward is lifted only for 128-wide tiles.
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        max_seq_len=131072,
-    ),
-    "0.8B": _flavor(1024, 24, 8, 2, 3584, 16, tied=True),
-    "2B": _flavor(2048, 24, 8, 2, 6144, 16, tied=True),
-    "4B": _flavor(2560, 32, 16, 4, 9216, 32, tied=True),
-    "9B": _flavor(4096, 32, 16, 4, 12288, 32, tied=False),
-    "27B": _flavor(5120, 64, 24, 4, 17408, 48, tied=False),
-}
+# "from_hf_config" reads the shape from model.hf_assets_path/config.json instead.
+qwen3_5_args: Mapping[str, Qwen35ModelArgs] = Qwen35Flavors(
+    {
+        "debugmodel": Qwen35ModelArgs(
+            dim=256,
+            n_layers=4,
+            vocab_size=2048,
+            hidden_dim=512,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=64,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            # 128 as in the published sizes: FLA's Hopper backward is lifted only for 128-wide
+            # tiles.
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            max_seq_len=131072,
+        ),
+        "0.8B": _flavor(1024, 24, 8, 2, 3584, 16, tied=True),
+        "2B": _flavor(2048, 24, 8, 2, 6144, 16, tied=True),
+        "4B": _flavor(2560, 32, 16, 4, 9216, 32, tied=True),
+        "9B": _flavor(4096, 32, 16, 4, 12288, 32, tied=False),
+        "27B": _flavor(5120, 64, 24, 4, 17408, 48, tied=False),
+        FROM_HF_CONFIG: Qwen35ArgsFromHFConfig(),
+    }
+)
 
 __all__ = [
+    "FROM_HF_CONFIG",
     "FULL_ATTENTION",
     "LINEAR_ATTENTION",
+    "Qwen35ArgsFromHFConfig",
+    "Qwen35Flavors",
     "Qwen35ModelArgs",
+    "UnknownFlavorError",
+    "job_config_problems",
     "qwen3_5_args",
 ]

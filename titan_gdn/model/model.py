@@ -74,9 +74,6 @@ class Qwen35Model(ModelProtocol):
             # each module a new Parameter and so unties them; tie again (as torchtitan's qwen3).
             self.output.weight = self.tok_embeddings.weight
         std = self.model_args.initializer_range
-        if self.model_args.enable_weight_tying:
-            # Built on meta then moved with to_empty, the two modules get separate tensors.
-            self.output.weight = self.tok_embeddings.weight
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
         for layer in self.layers.values():
             layer.init_weights(std)

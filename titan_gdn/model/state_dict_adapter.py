@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from typing import Any
 
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
@@ -15,6 +16,18 @@ TEXT_PREFIX = "model."
 MULTIMODAL_PREFIX = "model.language_model."
 # Parts of a multimodal checkpoint that the text model does not have.
 _NOT_TEXT = re.compile(r"^(model\.visual\.|visual\.|mtp\.)")
+
+# Files of an HF checkpoint folder, besides weights and config, that users of an export need.
+_HF_SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 _TOP_LEVEL = {"embed_tokens.weight": "tok_embeddings.weight", "norm.weight": "norm.weight"}
 _CONV_HF, _CONV_OURS = ".linear_attn.conv1d.weight", ".linear_attn.conv_weight"
@@ -63,6 +76,37 @@ class Qwen35StateDictAdapter(StateDictAdapter):
             ours["output.weight"] = ours["tok_embeddings.weight"]
         return ours
 
+    def save_hf_metadata(self, folder: str, dtype: str) -> None:
+        """Make the safetensors export in `folder` a folder transformers can load.
+
+        torchtitan's `checkpoint.last_save_in_hf` writes only the weights and their index.
+        This adds `config.json` (these model args; a multimodal `config.json` from
+        `hf_assets_path` is kept as is, since the weights follow its layout) with `dtype` set to
+        the export dtype, and copies the tokenizer files from `hf_assets_path`.
+        """
+        source = _read_config(self.hf_assets_path)
+        if self.prefix == MULTIMODAL_PREFIX:
+            config = dict(source)
+        else:
+            # Keep the source's other fields (token ids, ...); the shape is ours.
+            config = {**source, **self.model_args.to_hf_config()}
+        config.pop("torch_dtype", None)
+        config["dtype"] = dtype
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        for name in _HF_SIDE_FILES:
+            path = os.path.join(self.hf_assets_path or "", name)
+            if self.hf_assets_path and os.path.isfile(path):
+                shutil.copyfile(path, os.path.join(folder, name))
+
+
+def _read_config(hf_assets_path: str | None) -> dict[str, Any]:
+    path = os.path.join(hf_assets_path or "", "config.json")
+    if not hf_assets_path or not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
 
 def _strip_prefix(key: str) -> str:
     for prefix in (MULTIMODAL_PREFIX, TEXT_PREFIX):
@@ -76,9 +120,4 @@ def _invert(mapping: dict[str, str]) -> dict[str, str]:
 
 
 def _checkpoint_prefix(hf_assets_path: str | None) -> str:
-    config_path = os.path.join(hf_assets_path or "", "config.json")
-    if hf_assets_path and os.path.isfile(config_path):
-        with open(config_path) as f:
-            if "text_config" in json.load(f):
-                return MULTIMODAL_PREFIX
-    return TEXT_PREFIX
+    return MULTIMODAL_PREFIX if "text_config" in _read_config(hf_assets_path) else TEXT_PREFIX

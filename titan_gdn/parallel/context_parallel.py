@@ -19,18 +19,14 @@ from titan_gdn.model.args import Qwen35ModelArgs
 from titan_gdn.parallel.head_sharding import HeadSharding
 
 
-def context_parallel_problems(args: Qwen35ModelArgs, degree: int, seq_len: int) -> list[str]:
-    """Why `args` cannot run with context_parallel_degree = `degree`, as messages naming the
-    setting and a fix; empty when it can."""
+def context_parallel_problems(args: Qwen35ModelArgs, degree: int) -> list[str]:
+    """Why the heads of `args` cannot be split over context_parallel_degree = `degree`, as
+    messages naming the setting and a fix; empty when they can. (The sequence length is
+    checked with the rest of the job config, in `job_config_problems`.)"""
     if degree <= 1:
         return []
     setting = f"parallelism.context_parallel_degree = {degree}"
     problems = []
-    if seq_len % degree:
-        problems.append(
-            f"training.seq_len = {seq_len} is not divisible by {setting}; "
-            f"use a multiple of {degree}"
-        )
     per_head = {
         "linear_num_key_heads": args.linear_num_key_heads,
         "linear_num_value_heads": args.linear_num_value_heads,
@@ -54,7 +50,7 @@ def context_parallel_problems(args: Qwen35ModelArgs, degree: int, seq_len: int) 
 
 def apply_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
     """Place every mixer's heads on `cp_mesh`: from now on they run head-sharded."""
-    problems = context_parallel_problems(model.model_args, cp_mesh.size(), seq_len=0)
+    problems = context_parallel_problems(model.model_args, cp_mesh.size())
     if problems:
         raise ValueError("context parallel cannot shard this model: " + "; ".join(problems))
     sharding = HeadSharding(cp_mesh)

@@ -1,0 +1,350 @@
+"""Training the qwen3_5 debug model with torchtitan's trainer (run_train.sh, CPU + gloo).
+
+FSDP over two ranks, exact resume from a checkpoint, the HF round trip (import a transformers
+checkpoint, train, export, load it back in transformers), the documents-per-step metric in the
+log line and TensorBoard, and bad settings that must fail before the first step.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import relative_error
+from tests.hf_reference import random_hf_model, tiny_hf_config
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "assets" / "tokenizer"
+DEBUG_CONFIG = REPO / "train_configs" / "debug_model.toml"
+# torchtitan's log line, with the documents field titan_gdn adds (colors off).
+STEP_LOG = re.compile(
+    r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+).*?docs:\s*([0-9.,]+)"
+)
+SMALL = (
+    "--training.seq_len", "128",
+    "--training.local_batch_size", "2",
+    "--metrics.log_freq", "1",
+    "--metrics.disable_color_printing",
+)  # fmt: skip
+
+pytestmark = pytest.mark.skipif(
+    torch.accelerator.is_available(), reason="CPU runs (gloo); GPU runs live in tests/gpu"
+)
+
+
+def _train(dump: Path, *overrides: str, ngpu: int = 1, config: Path = DEBUG_CONFIG):
+    """run_train.sh with `overrides`; returns (exit code, output, {step: (loss str, docs)})."""
+    env = {**os.environ, "NGPU": str(ngpu), "CONFIG_FILE": str(config), "LOG_RANK": "0"}
+    command = ["bash", "run_train.sh", "--job.dump_folder", str(dump), *SMALL, *overrides]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    steps = {
+        int(s): (loss, float(docs.replace(",", "")))
+        for s, loss, _, docs in STEP_LOG.findall(output)
+    }
+    return result.returncode, output, steps
+
+
+def _train_ok(dump: Path, *overrides: str, ngpu: int = 1):
+    code, output, steps = _train(dump, *overrides, ngpu=ngpu)
+    assert code == 0, output[-6000:]
+    return output, steps
+
+
+def _tensorboard(dump: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} from every TensorBoard event file of a run (float32 values, as
+    written, so a loss compares exactly)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    scalars: dict[str, dict[int, float]] = defaultdict(dict)
+    for path in sorted(dump.glob("tb/**/events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.HasField("tensor"):
+                    scalars[value.tag][event.step] = value.tensor.float_val[0]
+                else:
+                    scalars[value.tag][event.step] = value.simple_value
+    return scalars
+
+
+def _first_rows(seq_len: int, rows: int, dp_rank: int = 0, dp_world_size: int = 1):
+    """The first `rows` packed rows (inputs, labels) that data-parallel rank `dp_rank` trains on."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from titan_gdn.data import PackedDocumentDataset, build_document_source
+
+    tokenizer = HuggingFaceTokenizer(str(TOKENIZER))
+    dataset = PackedDocumentDataset(
+        build_document_source("tinyshakespeare", None),
+        tokenizer,
+        seq_len=seq_len,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        infinite=True,
+    )
+    samples = [sample for sample, _ in zip(dataset, range(rows), strict=False)]
+    inputs = torch.stack([inp["input"] for inp, _ in samples])
+    labels = torch.stack([lab for _, lab in samples])
+    return inputs, labels, tokenizer.eos_id
+
+
+def test_fsdp_on_two_ranks_trains_and_logs_documents_per_step(tmp_path):
+    steps = 4
+    output, log = _train_ok(
+        tmp_path, "--training.steps", str(steps), "--metrics.enable_tensorboard", ngpu=2
+    )
+    assert "Applied FSDP" in output and "dp_shard=2" in output, output[-6000:]
+    assert sorted(log) == list(range(1, steps + 1)), output[-6000:]
+    assert float(log[steps][0]) < float(log[1][0]), log
+
+    # Documents per step: both ranks' rows (2 each), summed, in the log line and TensorBoard.
+    rows = [_first_rows(128, 2 * steps, rank, 2) for rank in (0, 1)]
+    from titan_gdn.data import documents_per_row
+
+    expected = {
+        step: sum(
+            documents_per_row(inputs[2 * step - 2 : 2 * step], eos) for inputs, _, eos in rows
+        )
+        for step in range(1, steps + 1)
+    }
+    assert {step: docs for step, (_, docs) in log.items()} == expected
+    tensorboard = _tensorboard(tmp_path)
+    assert tensorboard["documents_per_step"] == expected
+    assert set(tensorboard["loss_metrics/global_avg_loss"]) == set(range(1, steps + 1))
+
+
+def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path):
+    n, k = 6, 3
+    common = (
+        "--checkpoint.enable",
+        "--checkpoint.interval", str(k),
+        "--checkpoint.no-last-save-model-only",  # full state: optimizer, lr, data, step
+        "--lr_scheduler.total_steps", str(n),  # the same schedule when stopped at k
+        "--debug.seed", "7",
+        "--debug.deterministic",
+        "--metrics.enable_tensorboard",
+    )  # fmt: skip
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    _, whole_log = _train_ok(whole, *common, "--training.steps", str(n))
+    _, first_log = _train_ok(stopped, *common, "--training.steps", str(k))
+    output, resumed_log = _train_ok(stopped, *common, "--training.steps", str(n))
+
+    assert f"Training starts at step {k + 1}" in output, output[-6000:]
+    assert sorted(whole_log) == list(range(1, n + 1))
+    assert sorted(first_log) == list(range(1, k + 1))
+    assert sorted(resumed_log) == list(range(k + 1, n + 1))
+    # The printed 5-decimal losses and document counts, then the float32 values in TensorBoard.
+    assert {**first_log, **resumed_log} == whole_log
+    whole_tb, stopped_tb = _tensorboard(whole), _tensorboard(stopped)
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "documents_per_step", "lr"):
+        assert stopped_tb[tag] == whole_tb[tag], (tag, stopped_tb[tag], whole_tb[tag])
+    assert float(whole_log[n][0]) < float(whole_log[1][0])
+
+
+def _hf_document_loss(hf_model, inputs, labels, eos_id) -> float:
+    """transformers' mean next-token loss on packed rows, each document run on its own (as
+    titan_gdn's document boundaries make the packed forward)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row, row_labels in zip(inputs, labels, strict=True):
+            ends = (row == eos_id).nonzero().flatten().add(1).tolist()
+            bounds = [0, *[e for e in ends if e < len(row)], len(row)]
+            for start, end in zip(bounds, bounds[1:], strict=False):
+                logits = hf_model(input_ids=row[None, start:end]).logits[0]
+                total += F.cross_entropy(logits, row_labels[start:end], reduction="sum").item()
+                count += end - start
+    return total / count
+
+
+def _hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights = {}
+    for path in folder.glob("*.safetensors"):
+        weights.update(load_file(path))
+    return weights
+
+
+def _dcp_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model-only DCP checkpoint, each in its own storage."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    weights = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in metadata.items()
+    }
+    dcp.load(weights, checkpoint_id=str(folder))
+    return weights
+
+
+def test_hf_checkpoint_imports_trains_and_exports_for_transformers(hf_qwen3_5, tmp_path):
+    from titan_gdn.model import Qwen35Model, Qwen35ModelArgs, Qwen35StateDictAdapter
+
+    # A transformers checkpoint folder as users get it: weights, config.json, tokenizer.
+    config = tiny_hf_config(tied=True, vocab_size=2048)
+    hf_model = random_hf_model(hf_qwen3_5, config, seed=21).eval()
+    source = tmp_path / "hf_source"
+    hf_model.save_pretrained(source, safe_serialization=True)
+    for tokenizer_file in TOKENIZER.iterdir():
+        shutil.copy(tokenizer_file, source)
+
+    # The model comes from config.json (flavor from_hf_config), its weights from the
+    # safetensors; two identical deterministic runs end in an HF export and in a DCP checkpoint.
+    seq_len, batch, steps = 128, 2, 2
+    common = (
+        "--model.flavor", "from_hf_config",
+        "--model.hf_assets_path", str(source),
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path", str(source),
+        "--checkpoint.last_save_model_only",
+        "--training.steps", str(steps),
+        "--debug.seed", "5",
+        "--debug.deterministic",
+        "--metrics.enable_tensorboard",
+    )  # fmt: skip
+    output, log = _train_ok(tmp_path / "hf", *common, "--checkpoint.last_save_in_hf")
+    _, dcp_log = _train_ok(tmp_path / "dcp", *common)
+    assert f"loading from HF safetensors from --checkpoint.initial_load_path: {source}" in output
+    assert '"vocab_size": 2048' in output and '"dim": 64' in output  # the flavor read config.json
+    assert dcp_log == log
+
+    # Step 1's loss is the imported model's: transformers' loss on the same first batch.
+    inputs, labels, eos_id = _first_rows(seq_len, batch)
+    hf_loss = _hf_document_loss(hf_model, inputs, labels, eos_id)
+    step1 = _tensorboard(tmp_path / "hf")["loss_metrics/global_avg_loss"][1]
+    assert step1 == pytest.approx(hf_loss, rel=1e-5), (step1, hf_loss)
+
+    # The export is a folder transformers loads as it is ...
+    export = tmp_path / "hf" / "checkpoint" / f"step-{steps}"
+    assert (export / "config.json").is_file() and (export / "tokenizer.json").is_file()
+    exported, info = hf_qwen3_5.Qwen3_5ForCausalLM.from_pretrained(
+        export, attn_implementation="eager", dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
+    exported.eval()
+
+    # ... holding the trained weights: those of the DCP checkpoint, embeddings still tied.
+    trained = _dcp_weights(tmp_path / "dcp" / "checkpoint" / f"step-{steps}")
+    assert torch.equal(trained["output.weight"], trained["tok_embeddings.weight"])
+    args = Qwen35ModelArgs.from_hf_config(json.loads((export / "config.json").read_text()))
+    adapter = Qwen35StateDictAdapter(args, None)
+    from_export = adapter.from_hf(_hf_weights(export))
+    assert set(from_export) == set(trained)
+    for key, value in trained.items():
+        assert relative_error(from_export[key], value) <= 1e-6, key
+    embeddings = "model.embed_tokens.weight"
+    assert not torch.equal(_hf_weights(export)[embeddings], hf_model.state_dict()[embeddings])
+
+    ours = Qwen35Model(args)
+    ours.load_state_dict(trained, strict=True)
+    tokens = torch.randint(0, eos_id, (2, 96), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert relative_error(ours.eval()(tokens), exported(input_ids=tokens).logits) <= 1e-5
+
+
+def _expect_failure_before_training(tmp_path, message: str, *overrides: str, ngpu: int = 1):
+    code, output, steps = _train(tmp_path / "run", "--training.steps", "2", *overrides, ngpu=ngpu)
+    assert code != 0, output[-6000:]
+    assert message in output, output[-6000:]
+    assert not steps and "Training starts" not in output, output[-6000:]
+
+
+def test_missing_data_file_fails_before_training(tmp_path):
+    missing = tmp_path / "no_such_corpus.txt"
+    _expect_failure_before_training(
+        tmp_path,
+        f'training.dataset_path = "{missing}" does not exist',
+        "--training.dataset", "text",
+        "--training.dataset_path", str(missing),
+    )  # fmt: skip
+
+
+def test_unknown_flavor_fails_before_training(tmp_path):
+    _expect_failure_before_training(
+        tmp_path,
+        "model.flavor = '3B' is not a qwen3_5 flavor; choose one of debugmodel, 0.8B, 2B",
+        "--model.flavor", "3B",
+    )  # fmt: skip
+
+
+def test_tokenizer_larger_than_the_vocab_fails_before_training(tmp_path):
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    for tokenizer_file in TOKENIZER.iterdir():
+        shutil.copy(tokenizer_file, assets)
+    (assets / "config.json").write_text(json.dumps(tiny_hf_config(tied=True, vocab_size=1000)))
+    _expect_failure_before_training(
+        tmp_path,
+        f"the tokenizer in model.hf_assets_path = '{assets}' has ",
+        "--model.flavor", "from_hf_config",
+        "--model.hf_assets_path", str(assets),
+    )  # fmt: skip
+
+
+def test_seq_len_beyond_max_seq_len_fails_before_training(tmp_path):
+    _expect_failure_before_training(
+        tmp_path,
+        "training.seq_len = 131073 exceeds the model's max_seq_len = 131072",
+        "--training.seq_len", "131073",
+    )  # fmt: skip
+
+
+def test_seq_len_not_divisible_by_cp_degree_fails_before_training(tmp_path):
+    _expect_failure_before_training(
+        tmp_path,
+        "training.seq_len = 129 is not divisible by parallelism.context_parallel_degree = 2",
+        "--training.seq_len", "129",
+        "--parallelism.context_parallel_degree", "2",
+        ngpu=2,
+    )  # fmt: skip
+
+
+# In-process checks of the same settings (no training run).
+
+
+def _job_config(*args: str):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--job.config_file", str(DEBUG_CONFIG), *args])
+
+
+def test_unknown_flavor_is_a_key_error_naming_the_setting():
+    from titan_gdn.model import qwen3_5_args
+    from titan_gdn.model.args import UnknownFlavorError
+
+    assert "debugmodel" in qwen3_5_args and "3B" not in qwen3_5_args
+    assert qwen3_5_args.get("3B") is None
+    with pytest.raises(KeyError) as error:
+        qwen3_5_args["3B"]
+    assert isinstance(error.value, UnknownFlavorError)
+    assert str(error.value).startswith("model.flavor = '3B' is not a qwen3_5 flavor")
+
+
+def test_from_hf_config_flavor_reads_hf_assets_path(tmp_path):
+    from titan_gdn.model import Qwen35ModelArgs, qwen3_5_args
+
+    args = copy.deepcopy(qwen3_5_args["from_hf_config"])
+    job_config = _job_config("--model.hf_assets_path", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=re.escape("model.hf_assets_path")):
+        args.update_from_config(job_config)
+
+    config = tiny_hf_config(tied=False, vocab_size=2048)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args.update_from_config(job_config)
+    assert asdict(args) == asdict(Qwen35ModelArgs.from_hf_config(config))
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ValueError, match="is not a Qwen3.5 config"):
+        args.update_from_config(job_config)
