@@ -152,6 +152,34 @@ def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path):
     assert float(whole_log[n][0]) < float(whole_log[1][0])
 
 
+def test_context_parallel_run_gives_the_losses_of_the_single_process_run(tmp_path):
+    """run_train.sh with cp=2 (2 ranks) vs cp=1 (1 rank), both from one seed checkpoint (on a
+    CPU mesh sharded init differs by rank count) and the same global batch."""
+    seed_run = (
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        "--parallelism.data_parallel_shard_degree", "1",
+    )  # fmt: skip
+    _train_ok(tmp_path / "seed", *seed_run)
+    common = (
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path", str(tmp_path / "seed" / "checkpoint" / "step-0"),
+        "--checkpoint.interval", "1000",
+        "--training.steps", "5",
+        "--metrics.enable_tensorboard",
+    )  # fmt: skip
+    _, single = _train_ok(tmp_path / "cp1", *common)
+    _, sharded = _train_ok(
+        tmp_path / "cp2", *common, "--parallelism.context_parallel_degree", "2", ngpu=2
+    )
+    assert sorted(single) == sorted(sharded) == [1, 2, 3, 4, 5]
+    reference = _tensorboard(tmp_path / "cp1")["loss_metrics/global_avg_loss"]
+    losses = _tensorboard(tmp_path / "cp2")["loss_metrics/global_avg_loss"]
+    for step, loss in reference.items():
+        assert abs(losses[step] - loss) <= 1e-4 * loss, (step, losses[step], loss)
+    assert losses[5] < losses[1]
+
+
 def _hf_document_loss(hf_model, inputs, labels, eos_id) -> float:
     """transformers' mean next-token loss on packed rows, each document run on its own (as
     titan_gdn's document boundaries make the packed forward)."""
