@@ -10,6 +10,15 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
+def perturb_norms_and_gates(model: torch.nn.Module, scale: float = 0.3) -> None:
+    """Move norm weights and dt_bias off their init values (0 or 1), so that a wrong (1 + w)
+    convention or a wrong slice of a per-head parameter shows in the outputs."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                param.add_(scale * torch.randn_like(param))
+
+
 @pytest.fixture(scope="session")
 def hf_qwen3_5():
     """transformers' Qwen3.5 module on its pure-torch path (FLA hidden while it is imported)."""

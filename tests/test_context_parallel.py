@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 
-from tests.conftest import relative_error
+from tests.conftest import perturb_norms_and_gates, relative_error
 from tests.distributed import run_on_ranks
 from titan_gdn.model import DocumentBoundaries, Qwen35Model, qwen3_5_args
 from titan_gdn.model.args import job_config_problems
@@ -23,10 +23,7 @@ def _model() -> Qwen35Model:
     torch.manual_seed(0)
     model = Qwen35Model(copy.deepcopy(qwen3_5_args["debugmodel"]))
     model.init_weights()
-    with torch.no_grad():  # off their init values, so a wrong slice of them shows
-        for name, param in model.named_parameters():
-            if "norm" in name or "dt_bias" in name:
-                param.add_(0.3 * torch.randn_like(param))
+    perturb_norms_and_gates(model)
     return model
 
 

@@ -5,7 +5,8 @@ import torch
 
 import titan_gdn.layers.attention as attention_layer
 import titan_gdn.layers.gated_deltanet as gdn_layer
-from tests.conftest import relative_error
+from tests.conftest import perturb_norms_and_gates, relative_error
+from tests.hf_reference import tiny_hf_config
 from titan_gdn.model import DocumentBoundaries, Qwen35Model, Qwen35ModelArgs
 
 EOS = 0
@@ -14,26 +15,9 @@ DOC_LENGTHS = [1, 37, 150, 64, 1, 90, 23]  # length 1, not multiples of 64, one 
 
 def _tiny_model(seed: int) -> Qwen35Model:
     torch.manual_seed(seed)
-    args = Qwen35ModelArgs(
-        dim=64,
-        n_layers=4,
-        vocab_size=97,
-        hidden_dim=96,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
-        enable_weight_tying=False,
-    )
-    model = Qwen35Model(args)
+    model = Qwen35Model(Qwen35ModelArgs.from_hf_config(tiny_hf_config(tied=False, vocab_size=97)))
     model.init_weights()
-    with torch.no_grad():  # move norms and gates off their init values so all paths matter
-        for name, param in model.named_parameters():
-            if "norm" in name or "dt_bias" in name:
-                param.add_(0.3 * torch.randn_like(param))
+    perturb_norms_and_gates(model)
     return model
 
 
