@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 
-from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.tokenizer import build_hf_tokenizer
@@ -12,6 +11,7 @@ from torchtitan.components.validate import build_validator
 from torchtitan.protocols.train_spec import TrainSpec
 
 from titan_gdn.data import build_packed_dataloader
+from titan_gdn.loss import build_qwen3_5_loss
 from titan_gdn.metrics import build_qwen3_5_metrics_processor
 from titan_gdn.model import Qwen35Model, Qwen35StateDictAdapter, qwen3_5_args
 from titan_gdn.parallel.parallelize import parallelize_qwen3_5
@@ -43,7 +43,7 @@ def get_train_spec() -> TrainSpec:
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_packed_dataloader,
         build_tokenizer_fn=build_qwen3_5_tokenizer,
-        build_loss_fn=build_cross_entropy_loss,
+        build_loss_fn=build_qwen3_5_loss,
         build_validator_fn=build_validator,
         build_metrics_processor_fn=build_qwen3_5_metrics_processor,
         state_dict_adapter=Qwen35StateDictAdapter,

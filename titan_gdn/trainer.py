@@ -20,8 +20,11 @@ def prepare_batch(model, tokenizer, parallel_dims, input_dict, labels):
     """
     inputs = input_dict["input"]
     extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
+    # chunked_loss: the TrainSpec's loss (titan_gdn.loss) takes hidden states in place of
+    # logits, so the model may skip the full-sequence logits.
     extra_kwargs: dict[str, Any] = {
-        "attention_masks": model.get_attention_masks(inputs, tokenizer, extra_inputs)
+        "attention_masks": model.get_attention_masks(inputs, tokenizer, extra_inputs),
+        "chunked_loss": True,
     }
     if parallel_dims.cp_enabled:
         cp_mesh = parallel_dims.get_mesh("cp")

@@ -14,6 +14,9 @@ from torchtitan.protocols.model import BaseModelArgs
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
+CHUNKED_LOSS_MIN_VOCAB = 32768
+# 1024 tokens x 248,320 fp32 logits is 1 GiB per chunk: large matmuls, a bounded peak.
+DEFAULT_LOSS_CHUNK_TOKENS = 1024
 
 
 @dataclass
@@ -51,6 +54,11 @@ class Qwen35ModelArgs(BaseModelArgs):
     conv_backend: str | None = None
     attn_backend: str | None = None
 
+    # Training loss over this many tokens at a time, never materialising full-sequence logits
+    # (titan_gdn/loss.py); 0 computes the logits at once. None: chunked when the vocabulary
+    # is at least CHUNKED_LOSS_MIN_VOCAB, where full logits dominate activation memory.
+    loss_chunk_tokens: int | None = None
+
     def __post_init__(self) -> None:
         if self.layer_types is None:
             self.layer_types = [
@@ -64,6 +72,13 @@ class Qwen35ModelArgs(BaseModelArgs):
     @property
     def attn_type(self) -> str:
         return "flex"
+
+    @property
+    def chunked_loss_tokens(self) -> int:
+        """`loss_chunk_tokens` resolved: the loss's chunk size, 0 for the plain loss."""
+        if self.loss_chunk_tokens is not None:
+            return self.loss_chunk_tokens
+        return DEFAULT_LOSS_CHUNK_TOKENS if self.vocab_size >= CHUNKED_LOSS_MIN_VOCAB else 0
 
     @property
     def rotary_dim(self) -> int:
@@ -91,6 +106,8 @@ class Qwen35ModelArgs(BaseModelArgs):
             problems.append(
                 f"head_dim * partial_rotary_factor = {self.rotary_dim} must be even for RoPE"
             )
+        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 0:
+            problems.append(f"loss_chunk_tokens must be >= 0, got {self.loss_chunk_tokens}")
         if problems:
             raise ValueError("Invalid Qwen3.5 model args: " + "; ".join(problems))
 
@@ -197,8 +214,8 @@ def _flavor(dim, n_layers, n_heads, n_kv_heads, hidden_dim, v_heads, tied) -> Qw
 
 
 FROM_HF_CONFIG = "from_hf_config"
-# Kernel choices are ours, not the checkpoint's: the from_hf_config flavor keeps them.
-_BACKEND_FIELDS = ("delta_rule_backend", "conv_backend", "attn_backend")
+# Kernel and loss choices are ours, not the checkpoint's: the from_hf_config flavor keeps them.
+_KEPT_FIELDS = ("delta_rule_backend", "conv_backend", "attn_backend", "loss_chunk_tokens")
 
 
 def job_config_problems(args: Qwen35ModelArgs, job_config, tokenizer=None) -> list[str]:
@@ -264,7 +281,7 @@ class Qwen35ArgsFromHFConfig(Qwen35ModelArgs):
 
     def update_from_config(self, job_config, **kwargs) -> None:
         config = read_hf_config(job_config.model.hf_assets_path)
-        backends = {name: getattr(self, name) for name in _BACKEND_FIELDS}
+        backends = {name: getattr(self, name) for name in _KEPT_FIELDS}
         try:
             loaded = Qwen35ModelArgs.from_hf_config(config, **backends)
         except KeyError as missing:
@@ -327,6 +344,9 @@ qwen3_5_args: Mapping[str, Qwen35ModelArgs] = Qwen35Flavors(
             linear_key_head_dim=128,
             linear_value_head_dim=128,
             max_seq_len=131072,
+            # Chunked although the vocabulary is small, so the debug config trains through
+            # the chunked loss; 200 divides no batch, so a short last chunk is exercised too.
+            loss_chunk_tokens=200,
         ),
         "0.8B": _flavor(1024, 24, 8, 2, 3584, 16, tied=True),
         "2B": _flavor(2048, 24, 8, 2, 6144, 16, tied=True),

@@ -11,6 +11,7 @@ from titan_gdn.layers.gated_deltanet import GatedDeltaNet
 from titan_gdn.layers.mlp import FeedForward
 from titan_gdn.layers.norms import ZeroCenteredRMSNorm
 from titan_gdn.layers.rope import rope_cos_sin
+from titan_gdn.loss import OutputHidden
 from titan_gdn.model.args import LINEAR_ATTENTION, Qwen35ModelArgs
 from titan_gdn.model.documents import DocumentBoundaries
 from titan_gdn.ops.attention import document_causal_block_mask, resolve_attn_backend
@@ -50,7 +51,8 @@ class DecoderBlock(nn.Module):
 
 
 class Qwen35Model(ModelProtocol):
-    """torchtitan model: `forward(tokens, attention_masks=DocumentBoundaries) -> logits`.
+    """torchtitan model: `forward(tokens, attention_masks=DocumentBoundaries) -> logits`;
+    with `chunked_loss=True` (the trainer's call) it may return `OutputHidden` for the loss.
 
     Attribute names follow torchtitan's llama3/qwen3 (tok_embeddings, layers, norm, output) so
     torchtitan's parallelism helpers apply; block internals follow transformers' Qwen3.5.
@@ -91,9 +93,15 @@ class Qwen35Model(ModelProtocol):
         self,
         tokens: torch.Tensor,
         attention_masks: DocumentBoundaries | None = None,
+        *,
+        chunked_loss: bool = False,
         **unused,
-    ) -> torch.Tensor:
-        """Logits [B, T, vocab]. Without `attention_masks` each row is one document."""
+    ) -> torch.Tensor | OutputHidden:
+        """Logits [B, T, vocab]. Without `attention_masks` each row is one document.
+
+        With `chunked_loss` and `loss_chunk_tokens` resolving to > 0: `OutputHidden`, for
+        titan_gdn.loss to project and score a chunk of tokens at a time.
+        """
         docs = attention_masks
         if docs is None:
             docs = DocumentBoundaries.whole_rows(*tokens.shape, device=tokens.device)
@@ -102,4 +110,10 @@ class Qwen35Model(ModelProtocol):
         rope = rope_cos_sin(docs.position_ids, args.rotary_dim, args.rope_theta, h.dtype)
         for layer in self.layers.values():
             h = layer(h, docs, rope)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        chunk_tokens = args.chunked_loss_tokens
+        if chunked_loss and chunk_tokens > 0:
+            # The output module, not its weight: under FSDP2 `self.output.weight` is swapped
+            # between sharded and unsharded parameters, and the loss must see the live one.
+            return OutputHidden(h, self.output, chunk_tokens)
+        return self.output(h)

@@ -1,0 +1,147 @@
+"""Cross-entropy that never materialises full-sequence logits (chunked linear + cross-entropy).
+
+torchtitan's trainer calls ``loss_fn(model(inputs, ...), labels)`` and never hands the model to
+the loss. So in training the model returns `OutputHidden` (final hidden states and its output
+projection) instead of logits, and the loss computes the logits a token chunk at a time. The
+gradients w.r.t. the hidden states and the output weight are computed chunk by chunk in the
+forward pass, so neither pass keeps more than one chunk of logits alive.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_loss
+from torchtitan.tools.logging import logger
+
+
+@dataclass
+class OutputHidden:
+    """What the model returns for a chunked loss: `hidden` [B, T, dim] before the output
+    projection `head`, and the token chunk size the loss should use.
+
+    A dataclass, so that FSDP2 finds `hidden` and hooks its backward; `head` is a module,
+    which FSDP leaves alone (a hook on the weight itself would outlive the step).
+    """
+
+    hidden: torch.Tensor
+    head: nn.Linear
+    chunk_tokens: int
+
+    @property
+    def weight(self) -> torch.Tensor:
+        weight = self.head.weight
+        if isinstance(weight, DTensor):
+            # FSDP resharded the head after forward (fsdp_reshard_after_forward = "always"):
+            # gather it again; FSDP reshards it after its backward.
+            self.head.unshard()
+            weight = self.head.weight
+        return weight
+
+
+def chunk_loss_and_grad(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, need_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Summed cross-entropy of one chunk and d(loss)/d(logits), as torchtitan computes the
+    loss: logits in the parameters' dtype, upcast to fp32."""
+    logits = (hidden @ weight.T).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = labels != IGNORE_INDEX
+    target = torch.where(valid, labels, 0).unsqueeze(1)
+    loss = torch.where(valid, lse - logits.gather(1, target).squeeze(1), 0.0).sum()
+    if not need_grad:
+        return loss, None
+    grad = (logits - lse.unsqueeze(1)).exp_()
+    grad.scatter_add_(1, target, torch.full_like(lse, -1.0).unsqueeze(1))
+    return loss, grad.mul_(valid.unsqueeze(1))
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_tokens, step):
+        want_h, want_w = ctx.needs_input_grad[:2]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        # fp32 accumulation: a sum of per-chunk products in bf16 would lose the small ones.
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            h = hidden[rows]
+            loss, grad_logits = step(h, weight, labels[rows], True)
+            total += loss
+            grad_logits = grad_logits.to(hidden.dtype)
+            if want_h:
+                torch.mm(grad_logits, weight, out=grad_h[rows])
+            if want_w and grad_w.dtype == h.dtype:
+                grad_w.addmm_(grad_logits.T, h)
+            elif want_w:
+                grad_w += grad_logits.T @ h
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        # In place: these buffers are as large as the hidden states and the output weight.
+        # A second backward through the same graph then fails on the version check.
+        grad_h, grad_w = ctx.saved_tensors
+        if grad_h is not None:
+            grad_h = grad_h.mul_(grad_loss.to(grad_h.dtype))
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad_loss).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    step=chunk_loss_and_grad,
+) -> torch.Tensor:
+    """sum over tokens of cross_entropy(hidden @ weight.T, labels), ignoring IGNORE_INDEX;
+    `hidden` [N, dim], `labels` [N]. Exact against the plain loss; `step` computes one chunk
+    (a torch.compile'd `chunk_loss_and_grad` fuses its element-wise work)."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if needs_grad:
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, step)
+    losses = [
+        step(hidden[s : s + chunk_tokens], weight, labels[s : s + chunk_tokens], False)[0]
+        for s in range(0, hidden.shape[0], chunk_tokens)
+    ]
+    return torch.stack(losses).sum()
+
+
+def qwen3_5_loss(pred, labels: torch.Tensor, *, plain=cross_entropy_loss, step=None):
+    """torchtitan's summed cross-entropy for logits, or its chunked form for `OutputHidden`."""
+    if not isinstance(pred, OutputHidden):
+        return plain(pred, labels)
+    return chunked_cross_entropy(
+        pred.hidden.flatten(0, 1),
+        pred.weight,
+        labels.flatten(0, 1),
+        pred.chunk_tokens,
+        step or chunk_loss_and_grad,
+    )
+
+
+def build_qwen3_5_loss(job_config, **kwargs):
+    """TrainSpec `build_loss_fn`: with "loss" in compile.components, the plain loss is
+    compiled as torchtitan does, and the chunked loss compiles its per-chunk step (its loop
+    stays eager: unrolled, it would be a graph per sequence length)."""
+    del kwargs
+    if not (job_config.compile.enable and "loss" in job_config.compile.components):
+        return qwen3_5_loss
+    logger.info("Compiling the loss function (per chunk for the chunked loss) with torch.compile")
+    backend = job_config.compile.backend
+    return functools.partial(
+        qwen3_5_loss,
+        plain=torch.compile(cross_entropy_loss, backend=backend),
+        step=torch.compile(chunk_loss_and_grad, backend=backend),
+    )
