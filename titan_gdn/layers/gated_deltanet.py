@@ -74,7 +74,7 @@ class GatedDeltaNet(nn.Module):
         qkv = causal_conv1d_silu(
             qkv.view(1, batch * seq_len, -1),
             self._local_conv_weight(),
-            docs.cu_seqlens,
+            docs.padded_cu_seqlens,
             self.conv_backend,
         )
         q, k, v = qkv.split([q[0, 0].numel(), k[0, 0].numel(), v[0, 0].numel()], dim=-1)
@@ -86,7 +86,7 @@ class GatedDeltaNet(nn.Module):
             v.view(1, -1, v_heads, self.head_v_dim),
             g.view(1, -1, v_heads),
             b.flatten(2).sigmoid().view(1, -1, v_heads),
-            docs.cu_seqlens,
+            docs.padded_cu_seqlens,
             backend=self.delta_rule_backend,
         )
         return o.view(batch, seq_len, groups, -1)

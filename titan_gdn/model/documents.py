@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,9 +17,15 @@ class DocumentBoundaries:
     (as in torchtitan's document masks) and every row end closes a document too. Rows are laid
     end to end, so `cu_seqlens` indexes the flattened `[B * T]` sequence that the varlen kernels
     (delta rule, conv) consume.
+
+    The layers read `padded_cu_seqlens`, whose shape depends on the batch shape only: a
+    compiled block then sees the same input shapes whatever the documents, and never
+    recompiles for them. `cu_seqlens` is the same without the padding (a host sync).
     """
 
-    cu_seqlens: torch.Tensor  # int32 [num_documents + 1], over the flattened batch
+    # int32 [B * T + 1]: the boundaries over the flattened batch, then the end repeated
+    # (empty documents) up to one entry per token plus one.
+    padded_cu_seqlens: torch.Tensor
     document_ids: torch.Tensor  # int32 [B, T], unique per document across the batch
     position_ids: torch.Tensor  # int64 [B, T], position inside its document (RoPE)
     block_mask: BlockMask | None = None  # document-causal flex mask, when flex attention runs
@@ -29,7 +36,13 @@ class DocumentBoundaries:
 
     @property
     def num_documents(self) -> int:
-        return self.cu_seqlens.numel() - 1
+        """The real documents, without the padding."""
+        return int(self.document_ids[-1, -1]) + 1
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 [num_documents + 1]: the boundaries without the padding."""
+        return self.padded_cu_seqlens[: self.num_documents + 1]
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor, eos_id: int | None) -> DocumentBoundaries:
@@ -50,16 +63,18 @@ class DocumentBoundaries:
     def _from_starts(cls, starts: torch.Tensor) -> DocumentBoundaries:
         flat = starts.flatten()
         index = torch.arange(flat.numel(), device=flat.device)
-        document_ids = (flat.cumsum(0) - 1).to(torch.int32)
+        document_ids = flat.cumsum(0) - 1
         # The start of each token's document, carried forward by a running max.
         doc_start = torch.where(flat, index, torch.zeros_like(index)).cummax(0).values
-        end = torch.tensor([flat.numel()], device=flat.device)
-        cu_seqlens = torch.cat([index[flat], end]).to(torch.int32)
+        # Document d starts at the first token whose id reaches d; ids past the last document
+        # find none and give the end. Fixed shapes throughout, so no host sync.
+        slots = torch.arange(flat.numel() + 1, device=flat.device)
+        padded = torch.searchsorted(document_ids, slots, out_int32=True)
         return cls(
-            cu_seqlens=cu_seqlens,
-            document_ids=document_ids.view_as(starts),
+            padded_cu_seqlens=padded,
+            document_ids=document_ids.to(torch.int32).view_as(starts),
             position_ids=(index - doc_start).view_as(starts),
         )
 
     def with_block_mask(self, block_mask: BlockMask) -> DocumentBoundaries:
-        return DocumentBoundaries(self.cu_seqlens, self.document_ids, self.position_ids, block_mask)
+        return dataclasses.replace(self, block_mask=block_mask)

@@ -7,6 +7,8 @@ import importlib.util
 import torch
 
 
+# A constant to torch.compile: dynamo cannot trace importlib, and installs do not change.
+@torch.compiler.assume_constant_result
 def module_available(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None

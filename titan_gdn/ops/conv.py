@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from titan_gdn.ops.backends import resolve_backend
+from titan_gdn.ops.custom_op import recomputing_op
+from titan_gdn.ops.documents import cached_without_empty_tail
 
 CONV_BACKENDS = ("causal_conv1d", "fla", "torch")
 
@@ -27,21 +29,38 @@ def causal_conv1d_silu(
     """silu(depthwise causal conv) of `x` [1, L, C] with `weight` [C, K], restarting at documents.
 
     No output reads an input of an earlier document: the taps that would reach before the
-    document start see zeros, as if every document were convolved alone.
+    document start see zeros, as if every document were convolved alone. `cu_seqlens` may
+    end in empty documents (a fixed-capacity cu_seqlens, see `titan_gdn.ops.documents`).
     """
     if x.shape[0] != 1:
         raise ValueError(f"causal_conv1d_silu expects packed input [1, L, C], got {tuple(x.shape)}")
-    backend = resolve_conv_backend(x.device, backend)
+    return _causal_conv1d_silu_op(x, weight, cu_seqlens, resolve_conv_backend(x.device, backend))
+
+
+def _causal_conv1d_silu(x, weight, cu_seqlens, backend):
     if backend == "fla":
         from fla.modules.causal_conv1d import causal_conv1d
 
         out, _ = causal_conv1d(
-            x, weight=weight, activation="silu", backend="triton", cu_seqlens=cu_seqlens
+            x,
+            weight=weight,
+            activation="silu",
+            backend="triton",
+            cu_seqlens=cached_without_empty_tail()(cu_seqlens),
         )
         return out
     if backend == "causal_conv1d":
         return _causal_conv1d_cuda(x, weight, cu_seqlens)
     return _causal_conv1d_torch(x, weight, cu_seqlens)
+
+
+_causal_conv1d_silu_op = recomputing_op(
+    "causal_conv1d_silu",
+    _causal_conv1d_silu,
+    "(Tensor x, Tensor weight, Tensor cu_seqlens, str backend)",
+    num_differentiable=2,
+    output_like=0,
+)
 
 
 def _positions_in_document(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:

@@ -12,7 +12,9 @@ import functools
 import torch
 
 from titan_gdn.ops.backends import resolve_backend
+from titan_gdn.ops.custom_op import recomputing_op
 from titan_gdn.ops.delta_rule.chunk_torch import chunk_gated_delta_rule_torch
+from titan_gdn.ops.documents import cached_without_empty_tail
 
 DELTA_RULE_BACKENDS = ("fla", "torch")
 
@@ -51,7 +53,8 @@ def gated_delta_rule(
 
     q, k: [1, T, Hk, Dk]; v: [1, T, Hv, Dv], Hv a multiple of Hk (value head j reads key head
     j // (Hv // Hk)); g: [1, T, Hv] log-decay <= 0 (fp32); beta: [1, T, Hv] in (0, 1);
-    cu_seqlens: int32 [N + 1] document boundaries from 0 to T, on q's device.
+    cu_seqlens: int32 [N + 1] document boundaries from 0 to T, on q's device; documents may
+    be empty, as the padding of a fixed-capacity cu_seqlens is (see `titan_gdn.ops.documents`).
 
     q and k are L2-normalised over Dk (x * rsqrt(sum x^2 + 1e-6), fp32) and q is scaled by
     `scale` (default Dk ** -0.5). Per value head, with a [Dk, Dv] state S zeroed at every
@@ -59,15 +62,31 @@ def gated_delta_rule(
     The output has v's dtype.
     """
     _check_shapes(q, k, v, g, beta, cu_seqlens)
-    if resolve_delta_rule_backend(q.device, backend) == "fla":
+    backend = resolve_delta_rule_backend(q.device, backend)
+    return _gated_delta_rule_op(q, k, v, g, beta, cu_seqlens, backend, scale)
+
+
+def _gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend, scale):
+    if backend == "fla":
         return _fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale)
     return chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, scale=scale)
 
 
+_gated_delta_rule_op = recomputing_op(
+    "gated_delta_rule",
+    _gated_delta_rule,
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, str backend, "
+    "float? scale)",
+    num_differentiable=5,
+    output_like=2,
+)
+
+
 def _fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale):
     # FLA types cu_seqlens as LongTensor, but every kernel casts what it loads, and int32 is
-    # what FLA's own layers pass. Passing the caller's tensor (no .long()) keeps it the same
-    # object across layers, so FLA's identity-keyed cache of chunk indices hits.
+    # what FLA's own layers pass. No .long(): the trimmed tensor is then the same object
+    # across layers, so FLA's identity-keyed cache of chunk indices hits.
+    cu_seqlens = cached_without_empty_tail()(cu_seqlens)
     o, _ = _load_fla()(
         q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens
     )

@@ -1,0 +1,100 @@
+"""Opaque differentiable ops, so torch.compile traces the blocks around them without breaks.
+
+Dynamo cannot trace the ops' insides: FLA and causal_conv1d launch Triton/CUDA kernels
+through their own autograd Functions, and the torch backends read document boundaries on the
+host (`.tolist()`, data-dependent shapes). As `torch.library` custom ops they are one graph
+node each, whose output shape follows from the input shapes alone (the fake implementation).
+
+The backward recomputes the forward under autograd on detached inputs and differentiates
+it: one rule for every backend, whose own backward (FLA's kernels, or plain autograd for the
+torch backends) stays exactly what it is in eager mode. The cost is one extra forward of the
+op per backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+NAMESPACE = "titan_gdn"
+
+
+def recomputing_op(
+    name: str,
+    fn: Callable[..., torch.Tensor],
+    arguments: str,
+    num_differentiable: int,
+    output_like: int,
+) -> Callable[..., torch.Tensor]:
+    """Register `fn` as the custom op `titan_gdn::name`, differentiable in its first
+    `num_differentiable` arguments (tensors); returns the function to call.
+
+    `arguments` is the schema's argument list, tensors first, e.g.
+    "(Tensor x, Tensor weight, Tensor cu_seqlens, str backend)"; non-tensor arguments are
+    compile-time constants. The output has the shape and dtype of argument `output_like`.
+    Eager calls run `fn` itself, so eager training is exactly what it was without the op;
+    only code being compiled goes through the op.
+    """
+    forward = torch.library.custom_op(
+        f"{NAMESPACE}::{name}", _contiguous(fn), mutates_args=(), schema=f"{arguments} -> Tensor"
+    )
+
+    @forward.register_fake
+    def _(*args):
+        return args[output_like].new_empty(args[output_like].shape)
+
+    def backward_impl(grad, *args):
+        inputs = [a.detach().requires_grad_() for a in args[:num_differentiable]]
+        with _recording_autograd():
+            output = fn(*inputs, *args[num_differentiable:])
+        grads = torch.autograd.grad(output, inputs, grad, materialize_grads=True)
+        return [g.contiguous() for g in grads]
+
+    backward = torch.library.custom_op(
+        f"{NAMESPACE}::{name}_backward",
+        backward_impl,
+        mutates_args=(),
+        schema=f"(Tensor grad, {arguments.removeprefix('(')} -> Tensor[]",
+    )
+
+    @backward.register_fake
+    def _(grad, *args):
+        return [a.new_empty(a.shape) for a in args[:num_differentiable]]
+
+    def setup_context(ctx, inputs, output):
+        tensors = [a for a in inputs if isinstance(a, torch.Tensor)]
+        ctx.save_for_backward(*tensors)
+        ctx.constants = inputs[len(tensors) :]
+
+    def backward_formula(ctx, grad):
+        grads = backward(grad, *ctx.saved_tensors, *ctx.constants)
+        return *grads, *[None] * (len(ctx.saved_tensors) + len(ctx.constants) - len(grads))
+
+    forward.register_autograd(backward_formula, setup_context=setup_context)
+
+    def call(*args):
+        return forward(*args) if torch.compiler.is_compiling() else fn(*args)
+
+    return call
+
+
+@contextlib.contextmanager
+def _recording_autograd():
+    # An op's implementation runs below autograd, with its dispatch keys excluded: there
+    # enable_grad alone records nothing, so the keys come back for the recompute.
+    keys = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther)
+    with contextlib.ExitStack() as stack:
+        for key in keys:
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        stack.enter_context(torch.enable_grad())
+        yield
+
+
+def _contiguous(fn):
+    # The fake outputs are contiguous; the real ones must match them.
+    def contiguous_fn(*args):
+        return fn(*args).contiguous()
+
+    return contiguous_fn
