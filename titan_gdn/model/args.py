@@ -134,71 +134,61 @@ class Qwen35ModelArgs(BaseModelArgs):
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], **overrides: Any) -> Qwen35ModelArgs:
         """Args from a transformers Qwen3.5 `config.json` dict: text, or multimodal with a
-        nested `text_config`."""
+        nested `text_config`. A missing required field raises KeyError naming it."""
         text = config.get("text_config", config)
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        rope_theta = rope.get("rope_theta", text.get("rope_theta", cls.rope_theta))
-        partial = rope.get(
-            "partial_rotary_factor", text.get("partial_rotary_factor", cls.partial_rotary_factor)
+        args = {ours: text[theirs] for ours, theirs in _HF_REQUIRED.items()}
+        args.update({ours: text[theirs] for ours, theirs in _HF_OPTIONAL.items() if theirs in text})
+        for field in ("rope_theta", "partial_rotary_factor"):
+            if field in rope or field in text:
+                args[field] = rope.get(field, text.get(field))
+        args["enable_weight_tying"] = text.get(
+            "tie_word_embeddings", config.get("tie_word_embeddings", False)
         )
-        tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
-        args = dict(
-            dim=text["hidden_size"],
-            n_layers=text["num_hidden_layers"],
-            vocab_size=text["vocab_size"],
-            hidden_dim=text["intermediate_size"],
-            norm_eps=text.get("rms_norm_eps", cls.norm_eps),
-            enable_weight_tying=tied,
-            n_heads=text["num_attention_heads"],
-            n_kv_heads=text["num_key_value_heads"],
-            head_dim=text.get("head_dim", cls.head_dim),
-            rope_theta=rope_theta,
-            partial_rotary_factor=partial,
-            linear_num_key_heads=text["linear_num_key_heads"],
-            linear_num_value_heads=text["linear_num_value_heads"],
-            linear_key_head_dim=text["linear_key_head_dim"],
-            linear_value_head_dim=text["linear_value_head_dim"],
-            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", cls.linear_conv_kernel_dim),
-            full_attention_interval=text.get(
-                "full_attention_interval", cls.full_attention_interval
-            ),
-            layer_types=list(text["layer_types"]) if text.get("layer_types") else None,
-            max_seq_len=text.get("max_position_embeddings", cls.max_seq_len),
-            initializer_range=text.get("initializer_range", cls.initializer_range),
-        )
-        args.update(overrides)
-        return cls(**args)
+        if text.get("layer_types"):
+            args["layer_types"] = list(text["layer_types"])
+        return cls(**{**args, **overrides})
 
     def to_hf_config(self) -> dict[str, Any]:
         """The transformers `Qwen3_5TextConfig` fields of these args (for export)."""
+        fields_ = {**_HF_REQUIRED, **_HF_OPTIONAL}
         return dict(
             model_type="qwen3_5_text",
             architectures=["Qwen3_5ForCausalLM"],
-            hidden_size=self.dim,
-            num_hidden_layers=self.n_layers,
-            vocab_size=self.vocab_size,
-            intermediate_size=self.hidden_dim,
-            rms_norm_eps=self.norm_eps,
+            **{theirs: getattr(self, ours) for ours, theirs in fields_.items()},
             tie_word_embeddings=self.enable_weight_tying,
-            num_attention_heads=self.n_heads,
-            num_key_value_heads=self.n_kv_heads,
-            head_dim=self.head_dim,
             rope_parameters=dict(
                 rope_type="default",
                 rope_theta=self.rope_theta,
                 partial_rotary_factor=self.partial_rotary_factor,
             ),
-            linear_num_key_heads=self.linear_num_key_heads,
-            linear_num_value_heads=self.linear_num_value_heads,
-            linear_key_head_dim=self.linear_key_head_dim,
-            linear_value_head_dim=self.linear_value_head_dim,
-            linear_conv_kernel_dim=self.linear_conv_kernel_dim,
             layer_types=list(self.layer_types),
-            max_position_embeddings=self.max_seq_len,
-            initializer_range=self.initializer_range,
             hidden_act="silu",
             attention_bias=False,
         )
+
+
+# Our field -> transformers' Qwen3.5 config field, both ways.
+_HF_REQUIRED = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "vocab_size": "vocab_size",
+    "hidden_dim": "intermediate_size",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "linear_num_key_heads": "linear_num_key_heads",
+    "linear_num_value_heads": "linear_num_value_heads",
+    "linear_key_head_dim": "linear_key_head_dim",
+    "linear_value_head_dim": "linear_value_head_dim",
+}
+_HF_OPTIONAL = {
+    "norm_eps": "rms_norm_eps",
+    "head_dim": "head_dim",
+    "linear_conv_kernel_dim": "linear_conv_kernel_dim",
+    "full_attention_interval": "full_attention_interval",
+    "max_seq_len": "max_position_embeddings",
+    "initializer_range": "initializer_range",
+}
 
 
 def _flavor(dim, n_layers, n_heads, n_kv_heads, hidden_dim, v_heads, tied) -> Qwen35ModelArgs:
