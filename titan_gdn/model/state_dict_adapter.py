@@ -30,6 +30,7 @@ _HF_SIDE_FILES = (
 )
 
 _TOP_LEVEL = {"embed_tokens.weight": "tok_embeddings.weight", "norm.weight": "norm.weight"}
+_TOP_LEVEL_HF = {ours: hf for hf, ours in _TOP_LEVEL.items()}
 _CONV_HF, _CONV_OURS = ".linear_attn.conv1d.weight", ".linear_attn.conv_weight"
 
 
@@ -48,8 +49,8 @@ class Qwen35StateDictAdapter(StateDictAdapter):
             if key == "output.weight":
                 if not self.model_args.enable_weight_tying:
                     hf["lm_head.weight"] = value
-            elif key in _TOP_LEVEL.values():
-                hf[self.prefix + _invert(_TOP_LEVEL)[key]] = value
+            elif key in _TOP_LEVEL_HF:
+                hf[self.prefix + _TOP_LEVEL_HF[key]] = value
             elif key.endswith(_CONV_OURS):
                 hf[self.prefix + key.replace(_CONV_OURS, _CONV_HF)] = value.unsqueeze(1)
             else:
@@ -113,10 +114,6 @@ def _strip_prefix(key: str) -> str:
         if key.startswith(prefix):
             return key[len(prefix) :]
     raise KeyError(f"unexpected key {key!r} in a Qwen3.5 checkpoint")
-
-
-def _invert(mapping: dict[str, str]) -> dict[str, str]:
-    return {v: k for k, v in mapping.items()}
 
 
 def _checkpoint_prefix(hf_assets_path: str | None) -> str:
