@@ -31,10 +31,6 @@ class DocumentBoundaries:
     block_mask: BlockMask | None = None  # document-causal flex mask, when flex attention runs
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.document_ids.shape)
-
-    @property
     def num_documents(self) -> int:
         """The real documents, without the padding."""
         return int(self.document_ids[-1, -1]) + 1
