@@ -95,6 +95,8 @@ def test_bad_degrees_name_the_setting():
     job = _job_config()
     job.parallelism.context_parallel_degree = 3
     job.training.seq_len = 100
+    job.validation.enable = True
     problems = " ".join(job_config_problems(args, job))
     assert "training.seq_len = 100 is not divisible by" in problems
     assert "linear_num_key_heads = 4" in problems
+    assert "validation.enable = true is not supported yet" in problems
