@@ -4,6 +4,7 @@
 #
 #   scripts/gpu_validation.sh all              # everything below, in order
 #   scripts/gpu_validation.sh seed cp2 summary # single steps: gpu_tests seed cp1 cp2 fsdp debug
+#                                              #   eager16k compiled16k (GPU=<index> picks the GPU)
 # The seed checkpoint is deterministic (CPU init from debug.seed), so runs made on different
 # machines from their own seed start from the same weights.
 set -uo pipefail
@@ -53,6 +54,19 @@ fsdp() {
     train fsdp2_seq8k 2 "${BIG[@]}" --training.seq_len 8192 --training.steps 25
 }
 
+# Issue 5: the same 0.8B run at 16k, eager and compiled (inductor), from the same seed.
+SEQ_COMPILE=${SEQ_COMPILE:-16384}
+STEPS_COMPILE=${STEPS_COMPILE:-15}
+eager16k() {
+    CUDA_VISIBLE_DEVICES=${GPU:-0} train eager_seq16k 1 "${BIG[@]}" --training.seq_len "$SEQ_COMPILE" \
+        --training.steps "$STEPS_COMPILE" --debug.seed 42
+}
+
+compiled16k() {
+    CUDA_VISIBLE_DEVICES=${GPU:-0} train compiled_seq16k 1 "${BIG[@]}" --training.seq_len "$SEQ_COMPILE" \
+        --training.steps "$STEPS_COMPILE" --debug.seed 42 --compile.enable
+}
+
 debug() {
     train debug_2gpu 2 --training.steps 30 --metrics.log_freq 5
 }
@@ -66,6 +80,11 @@ summary() {
     grep -E "conv|attention|model bf16|delta|passed|failed" "$RESULTS/gpu_tests.log" | tail -12
     python scripts/summarize_runs.py $(ls "$RESULTS"/{debug_2gpu,fsdp2_seq8k,cp1_seq32k,cp2_seq32k}.log 2>/dev/null) \
         --compare "$RESULTS/cp2_seq32k.log" "$RESULTS/cp1_seq32k.log" --json "$RESULTS/summary.json"
+    if [ -f "$RESULTS/compiled_seq16k.log" ]; then
+        python scripts/summarize_runs.py "$RESULTS"/{eager_seq16k,compiled_seq16k}.log \
+            --compare "$RESULTS/compiled_seq16k.log" "$RESULTS/eager_seq16k.log" \
+            --json "$RESULTS/compile_summary.json"
+    fi
 }
 
 for step in "${@:-summary}"; do "$step"; done
