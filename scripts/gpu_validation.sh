@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_validation.sh all              # everything below, in order
 #   scripts/gpu_validation.sh seed cp2 summary # single steps: gpu_tests seed cp1 cp2 fsdp debug
-#                                              #   eager16k compiled16k (GPU=<index> picks the GPU)
+#                                              #   eager16k compiled16k long08b long2b (GPU=<index>)
 # The seed checkpoint is deterministic (CPU init from debug.seed), so runs made on different
 # machines from their own seed start from the same weights.
 set -uo pipefail
@@ -67,6 +67,17 @@ compiled16k() {
         --training.steps "$STEPS_COMPILE" --debug.seed 42 --compile.enable
 }
 
+# Issue 9: the longest sequences on one GPU, compiled, full AC, chunked loss.
+long08b() {
+    CUDA_VISIBLE_DEVICES=${GPU:-0} train long_0.8b_seq256k 1 "${BIG[@]}" --training.seq_len 262144 \
+        --training.steps 6 --compile.enable
+}
+
+long2b() {
+    CUDA_VISIBLE_DEVICES=${GPU:-0} train long_2b_seq128k 1 "${BIG[@]}" --model.flavor 2B \
+        --training.seq_len 131072 --training.steps 6 --compile.enable
+}
+
 debug() {
     train debug_2gpu 2 --training.steps 30 --metrics.log_freq 5
 }
@@ -78,7 +89,8 @@ all() {  # the order of one session's runs: tests on GPU 1 while GPU 0 makes the
 
 summary() {
     grep -E "conv|attention|model bf16|delta|passed|failed" "$RESULTS/gpu_tests.log" | tail -12
-    python scripts/summarize_runs.py $(ls "$RESULTS"/{debug_2gpu,fsdp2_seq8k,cp1_seq32k,cp2_seq32k}.log 2>/dev/null) \
+    [ -f "$RESULTS/cp2_seq32k.log" ] || { python scripts/summarize_runs.py $(ls "$RESULTS"/{debug_2gpu,fsdp2_seq8k,long_*}.log 2>/dev/null); return; }
+    python scripts/summarize_runs.py $(ls "$RESULTS"/{debug_2gpu,fsdp2_seq8k,cp1_seq32k,cp2_seq32k,long_*}.log 2>/dev/null) \
         --compare "$RESULTS/cp2_seq32k.log" "$RESULTS/cp1_seq32k.log" --json "$RESULTS/summary.json"
     if [ -f "$RESULTS/compiled_seq16k.log" ]; then
         python scripts/summarize_runs.py "$RESULTS"/{eager_seq16k,compiled_seq16k}.log \
