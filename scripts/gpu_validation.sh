@@ -88,10 +88,12 @@ all() {  # the order of one session's runs: tests on GPU 1 while GPU 0 makes the
 }
 
 summary() {
-    grep -E "conv|attention|model bf16|delta|passed|failed" "$RESULTS/gpu_tests.log" | tail -12
-    [ -f "$RESULTS/cp2_seq32k.log" ] || { python scripts/summarize_runs.py $(ls "$RESULTS"/{debug_2gpu,fsdp2_seq8k,long_*}.log 2>/dev/null); return; }
-    python scripts/summarize_runs.py $(ls "$RESULTS"/{debug_2gpu,fsdp2_seq8k,cp1_seq32k,cp2_seq32k,long_*}.log 2>/dev/null) \
-        --compare "$RESULTS/cp2_seq32k.log" "$RESULTS/cp1_seq32k.log" --json "$RESULTS/summary.json"
+    grep -E "^(conv|attention|model|fla|torch) |passed|failed" "$RESULTS/gpu_tests.log" | tail -12
+    python scripts/summarize_runs.py $(ls "$RESULTS"/{debug_2gpu,fsdp2_seq8k,long_*}.log 2>/dev/null)
+    if [ -f "$RESULTS/cp2_seq32k.log" ]; then
+        python scripts/summarize_runs.py "$RESULTS"/{cp1_seq32k,cp2_seq32k}.log \
+            --compare "$RESULTS/cp2_seq32k.log" "$RESULTS/cp1_seq32k.log" --json "$RESULTS/summary.json"
+    fi
     if [ -f "$RESULTS/compiled_seq16k.log" ]; then
         python scripts/summarize_runs.py "$RESULTS"/{eager_seq16k,compiled_seq16k}.log \
             --compare "$RESULTS/compiled_seq16k.log" "$RESULTS/eager_seq16k.log" \

@@ -41,7 +41,7 @@ def test_fla_conv_matches_torch():
     cu = docs.cu_seqlens.cuda()
     results = {}
     for backend, dtype in (("torch", torch.float32), ("fla", torch.bfloat16)):
-        xs, ws = x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        xs, ws = (t.detach().to(dtype).requires_grad_() for t in (x, w))
         out = causal_conv1d_silu(xs, ws, cu, backend)
         out.backward(grad.to(dtype))
         results[backend] = (out, xs.grad, ws.grad)
@@ -61,7 +61,7 @@ def test_flex_attention_matches_dense_sdpa():
     block_mask = document_causal_block_mask(docs.document_ids)
     results = {}
     for backend, dtype in (("sdpa", torch.float32), ("flex", torch.bfloat16)):
-        qs, ks, vs = (t.to(dtype).requires_grad_() for t in (q, k, v))
+        qs, ks, vs = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
         out = document_causal_attention(qs, ks, vs, docs.document_ids, block_mask, backend)
         out.backward(grad.to(dtype))
         results[backend] = (out, *_grads((qs, ks, vs)))
@@ -71,7 +71,11 @@ def test_flex_attention_matches_dense_sdpa():
 
 
 def test_model_on_gpu_kernels_matches_the_torch_path():
-    """0.8B-shaped layers (4 of them), packed rows: bf16 GPU kernels vs fp32 torch ops."""
+    """0.8B-shaped layers (4 of them), packed rows: the bf16 GPU kernels against fp32 torch ops.
+
+    Four bf16 layers drift from fp32 by more than one op's rounding, whatever the kernels;
+    so the bar is the torch ops' own bf16 drift: the GPU kernels may not add to it (x1.5).
+    """
     args = copy.deepcopy(qwen3_5_args["0.8B"])
     args.n_layers, args.layer_types, args.vocab_size = 4, None, 4096
     args.__post_init__()
@@ -82,11 +86,11 @@ def test_model_on_gpu_kernels_matches_the_torch_path():
     tokens = _packed_tokens(gen, 2, 2048, args.vocab_size).cuda()
 
     def run(model, dtype):
-        model = model.cuda().to(dtype)
+        model = copy.deepcopy(model).cuda().to(dtype)
         docs = model.get_attention_masks(tokens, type("T", (), {"eos_id": EOS}), None)
         logits = model(tokens, attention_masks=docs)
         logits.float().logsumexp(-1).mean().backward()
-        return logits, {n: p.grad for n, p in model.named_parameters()}
+        return [logits] + [p.grad for _, p in sorted(model.named_parameters())]
 
     torch_path = copy.deepcopy(reference)
     for layer in torch_path.layers.values():
@@ -96,14 +100,17 @@ def test_model_on_gpu_kernels_matches_the_torch_path():
                 setattr(mixer, name, "torch")
         if hasattr(mixer, "attn_backend"):
             mixer.attn_backend = "sdpa"
-    ref_logits, ref_grads = run(torch_path, torch.float32)
-    gpu_logits, gpu_grads = run(reference, torch.bfloat16)
-    errors = {n: relative_error(gpu_grads[n], g) for n, g in ref_grads.items()}
-    worst = max(errors, key=errors.get)
-    logits_error = relative_error(gpu_logits, ref_logits)
+    fp32 = run(torch_path, torch.float32)
+
+    def errors(model):
+        return [relative_error(a, b) for a, b in zip(run(model, torch.bfloat16), fp32, strict=True)]
+
+    gpu_error, torch_error = errors(reference), errors(torch_path)
+    worst = max(range(1, len(fp32)), key=lambda i: gpu_error[i] / torch_error[i])
     print(
-        f"model bf16 GPU kernels vs fp32 torch: logits {logits_error:.2e}, worst grad {worst} "
-        f"{errors[worst]:.2e}"
+        f"model vs fp32 torch: logits bf16 GPU kernels {gpu_error[0]:.2e}, bf16 torch ops "
+        f"{torch_error[0]:.2e}; worst gradient: GPU {gpu_error[worst]:.2e}, torch "
+        f"{torch_error[worst]:.2e}; max gradient error GPU {max(gpu_error[1:]):.2e}"
     )
-    assert logits_error <= 1e-2
-    assert errors[worst] <= 1e-2
+    for gpu, torch_ops in zip(gpu_error, torch_error, strict=True):
+        assert gpu <= 1.5 * torch_ops + 1e-3
