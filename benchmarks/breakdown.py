@@ -1,0 +1,287 @@
+"""Where one training step's time goes, from a torch.profiler trace of that step.
+
+Each GPU kernel (on CPU: each op's self time) is put in one category by its name and by the
+ops that launched it: the kernels of the delta-rule and conv custom ops wherever they run
+(forward, backward, recompute), flex attention, GEMMs, the chunked loss, the mixers'
+all-to-alls, FSDP's collectives and copies, the optimizer (with gradient clipping), document
+boundaries, and everything else (norms, gates, layout copies). Kernels on different streams
+overlap, so categories can sum to more than the step; `busy_ms` is the time any kernel runs.
+
+Blocks are told apart by a profiler range around each block's forward (`layer_ranges`); a
+backward node carries the sequence number of the forward op that made it, which maps backward
+(and recompute) time to its block too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from collections import defaultdict
+
+from torch.autograd import DeviceType
+from torch.autograd.profiler import record_function
+
+CATEGORIES = (
+    "delta_rule",
+    "conv",
+    "attention",
+    "gemm",
+    "loss",
+    "all_to_all",
+    "fsdp",
+    "optimizer",
+    "documents",
+    "other",
+)
+LAYER_RANGE = "bench::layer "
+# Collective ops as the profiler names them (functional, c10d, DTensor's, the backends'),
+# without helpers such as wait_tensor.
+_COLLECTIVE_OPS = ("_c10d_functional::", "c10d::", "_dtensor::", "nccl:", "gloo:")
+_COLLECTIVE_VERBS = (
+    "all_to_all",
+    "alltoall",
+    "all_gather",
+    "allgather",
+    "reduce_scatter",
+    "all_reduce",
+    "allreduce",
+)
+
+# (category, substrings of a kernel's name, substrings of an enclosing op's name). The first
+# rule that matches wins: step phases come before the kernels they contain, so a GEMM inside
+# the loss is loss time and the all-reduce of gradient clipping optimizer time. What is left of
+# the collectives then are the mixers' head redistributions: all-to-alls on NCCL (DTensor
+# falls back to all-gathers on gloo).
+_RULES = (
+    ("fsdp", ("AllGather", "ReduceScatter"), ("FSDP::",)),
+    ("optimizer", (), ("Optimizer.", "bench::clip_grad_norm")),
+    ("all_to_all", ("SendRecv", "AllToAll"), _COLLECTIVE_OPS),
+    ("documents", (), ("bench::documents",)),
+    ("delta_rule", ("gated_delta_rule",), ("gated_delta_rule",)),
+    ("conv", ("causal_conv1d",), ("causal_conv1d",)),
+    (
+        "attention",
+        ("flex_attention", "fmha", "flash_fwd", "flash_bwd"),
+        ("flex_attention", "scaled_dot_product"),
+    ),
+    ("loss", (), ("bench::loss", "ChunkedLinearCrossEntropy")),
+    (
+        "gemm",
+        ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitK"),
+        ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
+    ),
+)
+
+
+def categorize(kernel_name: str, op_names: list[str]) -> str:
+    for category, kernel_parts, op_parts in _RULES:
+        if any(part in kernel_name for part in kernel_parts):
+            return category
+        if any(part in name for name in op_names for part in op_parts):
+            return category
+    return "other"
+
+
+@contextlib.contextmanager
+def layer_ranges(model):
+    """A profiler range "bench::layer i" around the forward of each block of `model`.
+
+    The hooks sit on the (compiled) block modules, outside the compiled code, so they neither
+    break nor recompile a graph; eager blocks get them the same way.
+    """
+    handles, open_ranges = [], []
+    for index, block in enumerate(model.layers.values()):
+
+        def enter(module, args, index=index):
+            open_ranges.append(record_function(f"{LAYER_RANGE}{index}").__enter__())
+
+        def leave(module, args, output):
+            open_ranges.pop().__exit__(None, None, None)
+
+        handles.append(block.register_forward_pre_hook(enter))
+        handles.append(block.register_forward_hook(leave))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def step_breakdown(events, layer_types: list[str], cuda: bool) -> dict:
+    """Category totals (ms) of one profiled step, per block type, and its all-to-alls."""
+    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU]
+    chains = _Chains()
+    layer_of = _layer_index(cpu_ops, chains)
+    collectives = _mixer_collectives(cpu_ops, chains, layer_of)
+    samples = _kernel_samples(events, cpu_ops) if cuda else _self_time_samples(cpu_ops)
+    totals: dict[str, float] = defaultdict(float)
+    per_type: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    collective_us: dict[int, float] = defaultdict(float)
+    for kernel_name, op, us in samples:
+        chain = chains.of(op)
+        category = categorize(kernel_name, [e.name for e in chain])
+        totals[category] += us
+        layer = layer_of(chain)
+        if layer is not None:
+            per_type[layer_types[layer]][category] += us
+        owner = next((e for e in chain if id(e) in collectives), None)
+        if owner is not None:
+            collective_us[id(owner)] += us
+    result = {
+        "measure": "GPU kernel time" if cuda else "CPU self time",
+        "categories_ms": _ms(totals),
+        "layers_ms": {kind: _ms(values) for kind, values in per_type.items()},
+        "all_to_all": _all_to_all_summary(
+            collectives, collective_us, chains, len(layer_types), cuda
+        ),
+    }
+    if cuda:
+        result["busy_ms"] = round(_union_us(events) / 1000, 3)
+    return result
+
+
+def _ms(values: dict[str, float]) -> dict[str, float]:
+    return {name: round(values.get(name, 0.0) / 1000, 3) for name in CATEGORIES}
+
+
+class _Chains:
+    """An op and its enclosing ops, innermost first (memoized: traces have 10^4-10^5 ops)."""
+
+    def __init__(self):
+        self._memo: dict[int, list] = {}
+
+    def of(self, op) -> list:
+        if op is None:
+            return []
+        key = id(op)
+        if key not in self._memo:
+            self._memo[key] = [op, *self.of(op.cpu_parent)]
+        return self._memo[key]
+
+
+def _layer_index(cpu_ops, chains: _Chains):
+    """A function from an op chain to its block index (None outside blocks)."""
+    ranges = {
+        id(e): int(e.name[len(LAYER_RANGE) :]) for e in cpu_ops if e.name.startswith(LAYER_RANGE)
+    }
+
+    def forward_layer(chain):
+        return next((ranges[id(e)] for e in chain if id(e) in ranges), None)
+
+    by_sequence = {}
+    for op in cpu_ops:
+        if op.sequence_nr >= 0 and not _in_backward(chains.of(op)):
+            layer = forward_layer(chains.of(op))
+            if layer is not None:
+                by_sequence.setdefault(op.sequence_nr, layer)
+
+    def layer_of(chain):
+        for e in chain:
+            if id(e) in ranges:
+                return ranges[id(e)]
+            if "Backward" in e.name and e.sequence_nr in by_sequence:
+                return by_sequence[e.sequence_nr]
+        return None
+
+    return layer_of
+
+
+def _in_backward(chain) -> bool:
+    # On CUDA the autograd engine runs backward on its own thread, on CPU on the caller's:
+    # the enclosing engine events, not the thread, tell the two apart.
+    return any(e.name.startswith("autograd::engine::evaluate_function") for e in chain)
+
+
+def _mixer_collectives(cpu_ops, chains: _Chains, layer_of) -> dict[int, object]:
+    """The outermost collective ops inside blocks, FSDP's excepted: the head redistributions
+    of the mixers (to heads and back, in forward, backward and recompute)."""
+    found = {}
+    for op in cpu_ops:
+        chain = chains.of(op)
+        if not _is_collective(op.name) or any(_is_collective(e.name) for e in chain[1:]):
+            continue
+        if layer_of(chain) is not None and not any("FSDP::" in e.name for e in chain):
+            found[id(op)] = op
+    return found
+
+
+def _is_collective(name: str) -> bool:
+    return name.startswith(_COLLECTIVE_OPS) and any(verb in name for verb in _COLLECTIVE_VERBS)
+
+
+def _kernel_samples(events, cpu_ops):
+    by_id = {e.id: e for e in cpu_ops}
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            op = by_id.get(getattr(e, "linked_correlation_id", 0))
+            yield e.name, op, e.time_range.elapsed_us()
+
+
+def _self_time_samples(cpu_ops):
+    for op in cpu_ops:
+        yield "", op, op.self_cpu_time_total
+
+
+def _union_us(events) -> float:
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA
+    )
+    total, end = 0.0, float("-inf")
+    for start, stop in intervals:
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def _all_to_all_summary(
+    collectives: dict, kernel_us: dict, chains: _Chains, mixers: int, cuda: bool
+) -> dict:
+    """Calls per mixer and direction, and per message size the time and bandwidth (GPU)."""
+    groups: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for key, op in collectives.items():
+        direction = "backward" if _in_backward(chains.of(op)) else "forward"
+        groups[(direction, _message_bytes(op))].append(kernel_us.get(key, 0.0))
+    calls = defaultdict(int)
+    ops = defaultdict(int)
+    for op in collectives.values():
+        ops[op.name] += 1
+    sizes = []
+    for (direction, size), times in sorted(groups.items()):
+        calls[direction] += len(times)
+        entry = {"direction": direction, "bytes": size, "calls": len(times)}
+        if cuda and size:
+            kernel_ms = statistics.median(times) / 1000
+            entry["median_kernel_ms"] = round(kernel_ms, 4)
+            entry["gb_per_s"] = round(size / kernel_ms / 1e6, 2) if kernel_ms else None
+        sizes.append(entry)
+    return {
+        "mixers": mixers,
+        "forward_calls": calls["forward"],
+        "backward_calls": calls["backward"],
+        "forward_per_mixer": round(calls["forward"] / mixers, 2),
+        "backward_per_mixer": round(calls["backward"] / mixers, 2),
+        "ops": dict(ops),
+        "sizes": sizes,
+    }
+
+
+def _message_bytes(op) -> int:
+    """Bytes this rank sends: the input tensor of the all-to-all."""
+    shapes = op.input_shapes or []
+    shape = next((s for s in shapes if isinstance(s, list | tuple) and s), None)
+    if shape is None:
+        return 0
+    numel = 1
+    for n in shape:
+        numel *= n
+    dtypes = getattr(op, "input_dtypes", None) or [""]
+    return numel * _element_size(str(dtypes[0]).lower())
+
+
+def _element_size(dtype: str) -> int:
+    if "double" in dtype or "int64" in dtype or "long" in dtype:
+        return 8
+    if dtype in ("float", "float32", "int", "int32") or dtype.endswith("::float"):
+        return 4
+    return 2  # bf16 activations, also when the trace records no dtypes
