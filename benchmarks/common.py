@@ -33,26 +33,19 @@ from benchmarks.records import OOM_MESSAGES, REPO_ROOT, check_docs, command_line
 from titan_gdn.cpu import use_cpu_if_no_accelerator
 
 TOKENIZER_PATH = REPO_ROOT / "assets" / "tokenizer"
-CACHE_DIR = REPO_ROOT / "outputs" / "bench_cache"
 GIB = 1024**3
 
 
 def prepare_environment() -> None:
-    """Defaults that must be set before CUDA, Triton or Inductor first read them.
+    """Defaults that must be set before CUDA or Triton first read them (recorded in the JSON).
 
-    Compiled kernels and autotuning results go to one folder under outputs/, so a later
-    process (a memory trial, the next command on the same machine) reuses them instead of
-    spending minutes on FLA's autotuning and Inductor's compilation again. Expandable segments
-    keep long-sequence runs from failing on fragmentation rather than on memory.
+    Triton keeps autotuning results on disk (FLA asks for it too), so a later process on the
+    same machine, a memory trial or the next command, skips FLA's minutes of autotuning;
+    compiled kernels are cached by Triton and Inductor by default. Expandable segments keep
+    long-sequence runs from failing on fragmentation rather than on memory.
     """
-    defaults = {
-        "TRITON_CACHE_DIR": str(CACHE_DIR / "triton"),
-        "TRITON_CACHE_AUTOTUNING": "1",
-        "TORCHINDUCTOR_CACHE_DIR": str(CACHE_DIR / "inductor"),
-        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-    }
-    for key, value in defaults.items():
-        os.environ.setdefault(key, value)
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 # ---------------------------------------------------------------------------------------------

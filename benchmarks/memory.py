@@ -19,8 +19,8 @@ Each trial runs in a fresh `torchrun --nproc_per_node <cp>`, for three reasons:
   trial left behind, and peak statistics start from zero.
 - Compiled graphs do not pile up across lengths (Dynamo's recompile limit, shape
   specialisation).
-The cost is startup and compilation per trial (tens of seconds with the warm compile and
-autotune caches under outputs/bench_cache/). The JSON is rewritten after every trial;
+The cost is startup and compilation per trial (tens of seconds once Triton's and Inductor's
+on-disk caches are warm on the machine). The JSON is rewritten after every trial;
 `--resume` reuses the trials the file holds and `--time-budget-s` stops before a trial that
 would overrun, so a search longer than one command's time limit continues on the next run.
 """
