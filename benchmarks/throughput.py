@@ -75,6 +75,7 @@ class Run:
         self.opts = common.options_from_args(args)
         self.tokenizer = common.load_tokenizer()
         self.started = time.monotonic()
+        self.stopped = False
         previous = records.read_json(args.out) if args.resume else None
         self.data = previous or {
             "kind": "throughput",
@@ -91,13 +92,17 @@ class Run:
 
     def add(self, section: str, entry: dict) -> None:
         self.data[section].append(entry)
+        self.save()
+
+    def save(self) -> None:
         if self.rt.rank == 0:
             records.write_json(self.args.out, self.data)
 
     def out_of_time(self) -> bool:
         budget = self.args.time_budget_s
         late = budget is not None and time.monotonic() - self.started > budget
-        return self.rt.any_rank(late)  # every rank stops at the same point
+        self.stopped = self.rt.any_rank(late)  # every rank stops at the same point
+        return self.stopped
 
     def batches(self, run: RunConfig, count: int, dp_rank: int | None = None):
         dp_size = self.rt.world_size // run.cp
@@ -284,9 +289,12 @@ def run_probe(state: Run) -> None:
         state.add("probe", entry)
 
 
+_START = time.monotonic()
+
+
 def _announce(rt: Runtime, message: str) -> None:
     if rt.rank == 0:
-        print(f"[throughput] {message}", flush=True)
+        print(f"[throughput {time.monotonic() - _START:6.0f} s] {message}", flush=True)
 
 
 def print_summary(state: Run) -> None:
@@ -332,6 +340,10 @@ def print_summary(state: Run) -> None:
             ],
         )
     print(f"\nwrote {state.args.out}")
+    if state.stopped:
+        print("incomplete (--time-budget-s): run the same command with --resume to continue")
+    else:
+        print("complete")
 
 
 def _pct(value):
@@ -355,6 +367,8 @@ def main(argv=None) -> None:
                 run_transformers(flavor, seq_len, state)
         if "probe" in args.references and not state.out_of_time():
             run_probe(state)
+        state.data["complete"] = not state.stopped
+        state.save()
         print_summary(state)
     finally:
         torch.distributed.destroy_process_group()
