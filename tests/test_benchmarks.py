@@ -1,0 +1,225 @@
+"""The benchmark scripts run end to end on CPU and write what the report reads.
+
+The scripts themselves are measured on GPUs; here they run the debug model at a tiny length
+(gloo, 1 and 2 processes) so that a change to the model, the trainer's step or the scripts that
+breaks them shows before a GPU session does. No timing is asserted.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import report
+from benchmarks.breakdown import categorize
+from benchmarks.common import guarded
+from benchmarks.memory import find_longest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# One step per stage and eager blocks keep this under a minute on two cores; compiled blocks
+# are what tests/test_compile.py checks.
+FAST = ["--warmup", "1", "--steps", "1", "--compile-backend", "none", "--docs", "corpus"]
+
+
+def _run(command: list[str], timeout: float = 300) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    """The JSON of a 2-process throughput run (cp=1 and cp=2, all references) and of a
+    one-trial memory search, in one folder, as docs/results/ holds them."""
+    folder = tmp_path_factory.mktemp("results")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    _run(
+        [*torchrun, "--nproc_per_node", "2", "-m", "benchmarks.throughput"]
+        + ["--flavors", "debugmodel", "--seq-lens", "64", "--cp", "1", "2"]
+        + ["--references", "transformers", "kernel", "probe"]
+        + ["--out", str(folder / "throughput.json"), *FAST]
+    )
+    _run(
+        [sys.executable, "-m", "benchmarks.memory", "--flavor", "debugmodel", "--cp", "1"]
+        + ["--ac", "none", "--start", "64", "--limit", "64", "--granularity", "32"]
+        + ["--out", str(folder / "memory.json"), *FAST]
+    )
+    return folder
+
+
+def test_throughput_json_has_every_configuration_and_reference(results):
+    data = json.loads((results / "throughput.json").read_text())
+    assert data["kind"] == "throughput"
+    assert data["environment"]["hardware"]["processes"] == 2
+    assert "benchmarks.throughput" in data["environment"]["command"]
+    by_cp = {r["cp"]: r for r in data["results"]}
+    assert set(by_cp) == {1, 2} and all(r["status"] == "ok" for r in by_cp.values())
+    assert (by_cp[1]["dp"], by_cp[2]["dp"]) == (2, 1)
+    for result in by_cp.values():
+        assert result["tokens_per_s_per_gpu"] > 0
+        assert len(result["losses"]) == 2 and all(loss > 0 for loss in result["losses"])
+        assert result["flops_per_token_documents"]["total"] > 0
+        categories = result["breakdown"]["categories_ms"]
+        assert set(categories) >= {"delta_rule", "conv", "attention", "gemm", "all_to_all"}
+        assert categories["delta_rule"] > 0 and categories["gemm"] > 0
+        # Every block's time is found: both block types appear.
+        assert set(result["breakdown"]["layers_ms"]) == {"linear_attention", "full_attention"}
+    # One collective per direction per mixer (gloo: DTensor's all-gather stands in for the
+    # all-to-all), forward and backward; none without context parallel.
+    collectives = by_cp[2]["breakdown"]["all_to_all"]
+    assert (collectives["forward_per_mixer"], collectives["backward_per_mixer"]) == (2, 2)
+    assert by_cp[1]["breakdown"]["all_to_all"]["forward_calls"] == 0
+    references = data["transformers"]
+    assert [r["gradient_checkpointing"] for r in references] == [False, True]
+    assert all(r["status"] == "ok" and r["tokens_per_s_per_gpu"] > 0 for r in references)
+    assert [k["cp"] for k in data["kernel"]] == [1, 2]
+    assert (
+        data["kernel"][1]["shape"]["value_heads"] * 2 == data["kernel"][0]["shape"]["value_heads"]
+    )
+    probed = {p["bytes"] for p in data["probe"]}
+    assert probed >= {s["bytes"] for s in collectives["sizes"]}
+
+
+def test_memory_json_reports_the_longest_fit(results):
+    data = json.loads((results / "memory.json").read_text())
+    assert data["kind"] == "memory" and data["options"]["flavor"] == "debugmodel"
+    (trial,) = data["trials"]
+    assert trial["seq_len"] == 64 and trial["status"] == "ok"
+    assert data["result"]["longest_fit"] == 64 and data["result"]["first_oom"] is None
+    assert data["result"]["complete"] and data["result"]["peak_reserved_gib"] > 0
+    assert len(data["result"]["losses"]) == 2
+    assert data["environment"]["hardware"]["processes"] == 1
+
+
+def test_report_renders_tables_and_plots(results, tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    assert report.main(["--results", str(results), "--out", str(doc)]) == 0
+    text = doc.read_text()
+    assert "| debugmodel | 64 | 2 | 2 | 1 |" in text  # the cp=2 row of the throughput table
+    assert "transformers `Qwen3_5ForCausalLM`" in text and "NCCL `all_to_all_single`" in text
+    assert "| debugmodel | 1 | none | 64 |" in text  # the memory search
+    assert "benchmarks.memory --flavor debugmodel" in text
+    assert report.main(["--results", str(results), "--out", str(doc), "--check"]) == 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return  # plots are optional (the bench extra); the text is checked above
+    assert (tmp_path / "benchmarks" / "throughput.png").stat().st_size > 0
+    assert (tmp_path / "benchmarks" / "memory.png").stat().st_size > 0
+
+
+def test_committed_benchmarks_doc_is_generated_from_the_results():
+    assert report.main(["--check"]) == 0, "run python -m benchmarks.report"
+
+
+def test_search_doubles_then_bisects_to_the_granularity():
+    tried = []
+
+    def fits_below(limit):
+        def fits(length):
+            tried.append(length)
+            return length <= limit
+
+        return fits
+
+    assert find_longest(fits_below(300_000), 32768, 2**21, 16384) == (294912, 311296)
+    assert tried[:5] == [32768, 65536, 131072, 262144, 524288]
+    assert tried[5:] == [393216, 327680, 294912, 311296]
+    tried.clear()
+    assert find_longest(fits_below(20_000), 65536, 2**21, 4096) == (16384, 20480)
+    assert tried[:3] == [65536, 32768, 16384]  # halving while the start does not fit
+    assert find_longest(fits_below(10**9), 4096, 16384, 4096) == (16384, None)
+    assert find_longest(fits_below(10), 4096, 16384, 4096) == (None, 4096)
+
+
+def test_out_of_memory_becomes_a_record_and_other_errors_propagate():
+    class OneRank:
+        rank = 0
+
+        def any_rank(self, flag):
+            return flag
+
+        def free_memory(self):
+            pass
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    assert guarded(OneRank(), oom)["status"] == "oom"
+    assert guarded(OneRank(), lambda: {"x": 1}) == {"status": "ok", "x": 1}
+    with pytest.raises(ValueError):
+        guarded(OneRank(), lambda: int("not a number"))
+
+
+def test_kernels_are_attributed_to_the_op_that_launched_them():
+    assert categorize("chunk_fwd_kernel_o", ["titan_gdn::gated_delta_rule_fla"]) == "delta_rule"
+    assert categorize("nvjet_hsh_256x128", ["aten::mm", "bench::loss"]) == "loss"
+    assert categorize("nvjet_hsh_256x128", ["aten::mm", "CompiledFunction"]) == "gemm"
+    assert categorize("ncclDevKernel_SendRecv", ["nccl:all_to_all"]) == "all_to_all"
+    assert categorize("ncclDevKernel_AllGather_RING", ["FSDP::all_gather"]) == "fsdp"
+    assert categorize("ncclDevKernel_AllReduce", ["bench::clip_grad_norm"]) == "optimizer"
+    assert categorize("triton_tem_fused_flex_attention_0", ["CompiledFunction"]) == "attention"
+    assert categorize("triton_poi_fused_mul_0", ["CompiledFunction"]) == "other"
+
+
+def _event(id, name, start, end, parent=None, device=False, linked=0, shapes=None, seq=-1):
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    event = FunctionEvent(
+        id=id,
+        name=name,
+        thread=1,
+        start_us=start,
+        end_us=end,
+        input_shapes=shapes or [],
+        sequence_nr=seq,
+        device_type=DeviceType.CUDA if device else DeviceType.CPU,
+        linked_correlation_id=linked,
+    )
+    if parent is not None:
+        event.set_cpu_parent(parent)
+        parent.append_cpu_child(event)
+    return event
+
+
+def test_gpu_kernels_are_attributed_to_blocks_collectives_and_directions():
+    """A hand-made CUDA trace: a GDN block whose forward runs an all-to-all and the delta rule,
+    and whose compiled backward (matched by sequence number) runs another all-to-all."""
+    from benchmarks.breakdown import step_breakdown
+
+    forward = _event(1, "bench::forward", 0, 100)
+    block = _event(2, "bench::layer 0", 10, 90, forward)
+    compiled = _event(3, "CompiledFunction", 11, 89, block, seq=7)
+    sent = [[1, 1024, 2, 64]]  # bf16: 256 KiB
+    to_heads = _event(4, "_c10d_functional::all_to_all_single", 20, 30, compiled, shapes=sent)
+    rule = _event(5, "titan_gdn::gated_delta_rule_fla", 40, 60, compiled)
+    engine = _event(6, "autograd::engine::evaluate_function: CompiledFunctionBackward", 200, 300)
+    backward = _event(7, "CompiledFunctionBackward", 201, 299, engine, seq=7)
+    to_tokens = _event(8, "_c10d_functional::all_to_all_single", 210, 220, backward, shapes=sent)
+    kernels = [
+        _event(9, "ncclDevKernel_SendRecv", 21, 26, device=True, linked=4),
+        _event(10, "chunk_fwd_kernel_o", 41, 51, device=True, linked=5),
+        _event(11, "ncclDevKernel_SendRecv", 211, 219, device=True, linked=8),
+        _event(12, "nvjet_hsh_64x8", 45, 47, device=True, linked=0),  # no launching op
+    ]
+    cpu = [forward, block, compiled, to_heads, rule, engine, backward, to_tokens]
+    result = step_breakdown(cpu + kernels, ["linear_attention"], cuda=True)
+    categories = result["categories_ms"]
+    assert (categories["all_to_all"], categories["delta_rule"]) == (0.013, 0.01)
+    assert categories["gemm"] == 0.002  # by its name alone
+    block_ms = result["layers_ms"]["linear_attention"]
+    assert (block_ms["all_to_all"], block_ms["delta_rule"]) == (0.013, 0.01)
+    assert result["busy_ms"] == 0.023  # 5 + 10 + 8 us; the GEMM overlaps the delta rule
+    collectives = result["all_to_all"]
+    assert (collectives["forward_calls"], collectives["backward_calls"]) == (1, 1)
+    by_direction = {size["direction"]: size for size in collectives["sizes"]}
+    assert by_direction["forward"]["bytes"] == 1024 * 2 * 64 * 2
+    assert by_direction["forward"]["gb_per_s"] == round(262144 / 0.005 / 1e6, 2)
+    assert by_direction["backward"]["median_kernel_ms"] == 0.008
