@@ -59,9 +59,12 @@ _RULES = (
     ("documents", (), ("bench::documents",)),
     ("delta_rule", ("gated_delta_rule",), ("gated_delta_rule",)),
     ("conv", ("causal_conv1d",), ("causal_conv1d",)),
+    # Inductor names a template kernel after its origin ("triton_tem_fused_flex_attention_0");
+    # flex attention is the only template in these graphs (GEMMs stay cuBLAS calls unless
+    # max-autotune is on), so any template kernel is attention.
     (
         "attention",
-        ("flex_attention", "fmha", "flash_fwd", "flash_bwd"),
+        ("flex_attention", "triton_tem_", "fmha", "flash_fwd", "flash_bwd"),
         ("flex_attention", "scaled_dot_product"),
     ),
     ("loss", (), ("bench::loss", "ChunkedLinearCrossEntropy")),
@@ -137,6 +140,7 @@ def step_breakdown(events, layer_types: list[str], cuda: bool) -> dict:
     }
     if cuda:
         result["busy_ms"] = round(_union_us(events) / 1000, 3)
+    result["host_syncs"] = _host_syncs(cpu_ops, chains)
     return result
 
 
@@ -157,6 +161,42 @@ class _Chains:
         if key not in self._memo:
             self._memo[key] = [op, *self.of(op.cpu_parent)]
         return self._memo[key]
+
+
+# Where the host waits for the device: CUDA's synchronizing calls, and the op behind
+# `.item()` / `int(tensor)` (which also names the wait on CPU, where there is no CUDA call).
+_SYNCS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "aten::_local_scalar_dense",
+)
+_PHASES = ("bench::documents", "bench::forward", "bench::loss", "bench::clip_grad_norm")
+
+
+def _host_syncs(cpu_ops, chains: _Chains) -> dict:
+    """Host syncs in the step by phase, and the ops that cause the most of them."""
+    by_phase: dict[str, int] = defaultdict(int)
+    causes: dict[str, int] = defaultdict(int)
+    for op in cpu_ops:
+        chain = chains.of(op)
+        if op.name not in _SYNCS or any(e.name in _SYNCS for e in chain[1:]):
+            continue
+        by_phase[_phase(chain)] += 1
+        cause = next((e.name for e in chain[1:] if not e.name.startswith("bench::")), "step")
+        causes[cause] += 1
+    top = sorted(causes.items(), key=lambda item: -item[1])[:5]
+    return {"total": sum(by_phase.values()), "by_phase": dict(by_phase), "top_causes": dict(top)}
+
+
+def _phase(chain) -> str:
+    if _in_backward(chain):
+        return "backward"
+    names = [e.name for e in chain]
+    phase = next((p for p in _PHASES if p in names), None)
+    if phase is None:
+        return "optimizer" if any(n.startswith("Optimizer.") for n in names) else "other"
+    return phase.removeprefix("bench::")
 
 
 def _layer_index(cpu_ops, chains: _Chains):

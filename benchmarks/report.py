@@ -324,26 +324,31 @@ def _breakdown_table(data: dict) -> list[str]:
                 _ms(busy),
                 *shares,
                 _pct(gdn_kernel_share(r)),
+                _syncs_text(breakdown.get("host_syncs")),
             ]
         )
     if not rows:
         return []
     measure = _ok(data["results"])[0].get("breakdown", {}).get("measure", "kernel time")
-    headings = [
-        "flavor",
-        "seq_len",
-        "cp",
-        "step ms",
-        "busy ms",
-        *CATEGORY_NAMES.values(),
-        "GDN block: rule+conv",
-    ]
+    headings = ["flavor", "seq_len", "cp", "step ms", "busy ms", *CATEGORY_NAMES.values()]
+    headings += ["GDN block: rule+conv", "host syncs"]
     intro = [
         f"Where the time goes (one profiled step; share of summed {measure}, which overlaps "
-        "across streams; busy = time any kernel runs):",
+        "across streams; busy = time any kernel runs; GDN block = delta rule + conv share of "
+        "the GDN blocks' time without FSDP; host syncs = times the host waited for the device, "
+        "by phase):",
         "",
     ]
     return intro + table(headings, rows)
+
+
+def _syncs_text(syncs: dict | None) -> str | None:
+    if not syncs:
+        return None
+    phases = syncs["by_phase"]
+    inside = {p: phases[p] for p in ("documents", "forward", "loss", "backward") if p in phases}
+    detail = ", ".join(f"{phase} {count}" for phase, count in inside.items())
+    return f"{syncs['total']}" + (f" ({detail})" if detail else "")
 
 
 def _ms(value) -> str | None:
