@@ -136,7 +136,7 @@ def test_ops_pass_opcheck():
     beta = torch.rand(1, length, 2 * heads, generator=gen)
     x, weight = torch.randn(1, length, 6, generator=gen), torch.randn(6, 4, generator=gen)
     cases = [
-        (torch.ops.titan_gdn.gated_delta_rule, (q, k, v, g, beta), ("torch", None)),
+        (torch.ops.titan_gdn.gated_delta_rule_torch, (q, k, v, g, beta), (None,)),
         (torch.ops.titan_gdn.causal_conv1d_silu, (x, weight), ("torch",)),
     ]
     for op, tensors, constants in cases:

@@ -1,14 +1,18 @@
-"""Opaque differentiable ops, so torch.compile traces the blocks around them without breaks.
+"""Opaque differentiable ops, so torch.compile traces the blocks around them without breaks and
+activation checkpointing can name them in its policy.
 
 Dynamo cannot trace the ops' insides: FLA and causal_conv1d launch Triton/CUDA kernels
 through their own autograd Functions, and the torch backends read document boundaries on the
 host (`.tolist()`, data-dependent shapes). As `torch.library` custom ops they are one graph
 node each, whose output shape follows from the input shapes alone (the fake implementation).
+Eager code calls the same ops, so eager and compiled training run the same kernels and
+selective checkpointing sees each kernel as one dispatcher op (see
+`titan_gdn.parallel.activation_checkpoint`).
 
-The backward recomputes the forward under autograd on detached inputs and differentiates
-it: one rule for every backend, whose own backward (FLA's kernels, or plain autograd for the
-torch backends) stays exactly what it is in eager mode. The cost is one extra forward of the
-op per backward.
+The ops made here recompute their forward in backward, under autograd on detached inputs,
+and differentiate it: one rule for every backend whose own backward is plain autograd or an
+autograd Function, at the cost of one extra forward per backward. Where that cost matters
+(FLA's delta rule) the op saves the kernel's residuals instead: `delta_rule/fla_op.py`.
 """
 
 from __future__ import annotations
@@ -34,8 +38,6 @@ def recomputing_op(
     `arguments` is the schema's argument list, tensors first, e.g.
     "(Tensor x, Tensor weight, Tensor cu_seqlens, str backend)"; non-tensor arguments are
     compile-time constants. The output has the shape and dtype of argument `output_like`.
-    Eager calls run `fn` itself, so eager training is exactly what it was without the op;
-    only code being compiled goes through the op.
     """
     forward = torch.library.custom_op(
         f"{NAMESPACE}::{name}", _contiguous(fn), mutates_args=(), schema=f"{arguments} -> Tensor"
@@ -47,7 +49,7 @@ def recomputing_op(
 
     def backward_impl(grad, *args):
         inputs = [a.detach().requires_grad_() for a in args[:num_differentiable]]
-        with _recording_autograd():
+        with recording_autograd():
             output = fn(*inputs, *args[num_differentiable:])
         grads = torch.autograd.grad(output, inputs, grad, materialize_grads=True)
         return [g.contiguous() for g in grads]
@@ -69,19 +71,17 @@ def recomputing_op(
         ctx.constants = inputs[len(tensors) :]
 
     def backward_formula(ctx, grad):
-        grads = backward(grad, *ctx.saved_tensors, *ctx.constants)
-        return *grads, *[None] * (len(ctx.saved_tensors) + len(ctx.constants) - len(grads))
+        # saved_tensors is read once: activation checkpointing allows one unpack per tensor.
+        inputs = (*ctx.saved_tensors, *ctx.constants)
+        grads = backward(grad, *inputs)
+        return *grads, *[None] * (len(inputs) - len(grads))
 
     forward.register_autograd(backward_formula, setup_context=setup_context)
-
-    def call(*args):
-        return forward(*args) if torch.compiler.is_compiling() else fn(*args)
-
-    return call
+    return forward
 
 
 @contextlib.contextmanager
-def _recording_autograd():
+def recording_autograd():
     # An op's implementation runs below autograd, with its dispatch keys excluded: there
     # enable_grad alone records nothing, so the keys come back for the recompute.
     keys = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther)

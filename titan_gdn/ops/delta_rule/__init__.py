@@ -2,19 +2,19 @@
 
 One entry point, :func:`gated_delta_rule`, with two backends: FLA's Triton kernels ("fla", CUDA
 only) and a pure-torch chunked implementation ("torch", any device). Both follow transformers'
-Qwen3.5 with ``use_qk_l2norm_in_kernel=True``.
+Qwen3.5 with ``use_qk_l2norm_in_kernel=True``. Each runs as a custom op, in eager and compiled
+code alike: "fla" saves FLA's residuals (`fla_op`), "torch" recomputes in backward
+(`titan_gdn.ops.custom_op`).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
 from titan_gdn.ops.backends import resolve_backend
 from titan_gdn.ops.custom_op import recomputing_op
 from titan_gdn.ops.delta_rule.chunk_torch import chunk_gated_delta_rule_torch
-from titan_gdn.ops.documents import cached_without_empty_tail
+from titan_gdn.ops.delta_rule.fla_op import fla_gated_delta_rule
 
 DELTA_RULE_BACKENDS = ("fla", "torch")
 
@@ -62,45 +62,18 @@ def gated_delta_rule(
     The output has v's dtype.
     """
     _check_shapes(q, k, v, g, beta, cu_seqlens)
-    backend = resolve_delta_rule_backend(q.device, backend)
-    return _gated_delta_rule_op(q, k, v, g, beta, cu_seqlens, backend, scale)
+    if resolve_delta_rule_backend(q.device, backend) == "fla":
+        return fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale)
+    return _gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, scale)
 
 
-def _gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend, scale):
-    if backend == "fla":
-        return _fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale)
-    return chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, scale=scale)
-
-
-_gated_delta_rule_op = recomputing_op(
-    "gated_delta_rule",
-    _gated_delta_rule,
-    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, str backend, "
-    "float? scale)",
+_gated_delta_rule_torch = recomputing_op(
+    "gated_delta_rule_torch",
+    chunk_gated_delta_rule_torch,
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, float? scale)",
     num_differentiable=5,
     output_like=2,
 )
-
-
-def _fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale):
-    # FLA types cu_seqlens as LongTensor, but every kernel casts what it loads, and int32 is
-    # what FLA's own layers pass. No .long(): the trimmed tensor is then the same object
-    # across layers, so FLA's identity-keyed cache of chunk indices hits.
-    cu_seqlens = cached_without_empty_tail()(cu_seqlens)
-    o, _ = _load_fla()(
-        q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens
-    )
-    return o.to(v.dtype)
-
-
-@functools.cache
-def _load_fla():
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    from titan_gdn.ops.delta_rule.hopper_guard import allow_fla_hopper_bk128
-
-    allow_fla_hopper_bk128()
-    return chunk_gated_delta_rule
 
 
 def _check_shapes(q, k, v, g, beta, cu_seqlens) -> None:

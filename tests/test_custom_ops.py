@@ -1,0 +1,91 @@
+"""The FLA delta-rule op's mechanics on CPU, with pure-torch stand-ins for FLA's kernels.
+
+What runs here is the op's own code: the residuals it returns and saves, its autograd formula,
+its fake implementation and the arguments it passes to FLA (checked against FLA 0.6.0's
+signatures). The kernels themselves are checked on a GPU (tests/gpu/test_delta_rule_op_gpu.py).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import relative_error
+from tests.fla_stand_in import FlaStandIn
+from titan_gdn.ops.delta_rule import fla_op, gated_delta_rule
+
+INPUT_NAMES = ("q", "k", "v", "g", "beta")
+# A 1-token document, documents across chunk boundaries, then fixed-capacity padding.
+CU_SEQLENS = torch.tensor([0, 1, 40, 70, 75, 75, 75], dtype=torch.int32)
+TOKENS, KEY_HEADS, VALUE_HEADS, HEAD_DIM = 75, 2, 4, 16
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    stand_in = FlaStandIn()
+    monkeypatch.setattr(fla_op, "load_fla_kernels", stand_in.kernels)
+    return stand_in
+
+
+def _inputs(dtype=torch.float32):
+    """q, k, v as the GDN layer passes them: strided slices of one conv output."""
+    gen = torch.Generator().manual_seed(0)
+    key_dim, value_dim = KEY_HEADS * HEAD_DIM, VALUE_HEADS * HEAD_DIM
+    qkv = torch.randn(1, TOKENS, 2 * key_dim + value_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([key_dim, key_dim, value_dim], dim=-1)
+    return {
+        "q": q.unflatten(-1, (KEY_HEADS, HEAD_DIM)),
+        "k": k.unflatten(-1, (KEY_HEADS, HEAD_DIM)),
+        "v": v.unflatten(-1, (VALUE_HEADS, HEAD_DIM)),
+        "g": F.logsigmoid(torch.randn(1, TOKENS, VALUE_HEADS, generator=gen)),  # fp32 always
+        "beta": torch.rand(1, TOKENS, VALUE_HEADS, generator=gen).to(dtype),
+        "grad_out": torch.randn(1, TOKENS, VALUE_HEADS, HEAD_DIM, generator=gen).to(dtype),
+    }
+
+
+def _output_and_grads(fn, inputs):
+    leaves = [inputs[name].detach().requires_grad_() for name in INPUT_NAMES]
+    out = fn(*leaves, CU_SEQLENS)
+    grads = torch.autograd.grad((out * inputs["grad_out"]).sum(), leaves)
+    return {"o": out, **{f"d{name}": grad for name, grad in zip(INPUT_NAMES, grads, strict=True)}}
+
+
+def _fla(q, k, v, g, beta, cu_seqlens):
+    return fla_op.fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale=None)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fla_op_matches_the_torch_backend(stand_in, compiled):
+    inputs = _inputs()
+    expected = _output_and_grads(lambda *args: gated_delta_rule(*args, backend="torch"), _inputs())
+    fn = torch.compile(_fla, backend="aot_eager", fullgraph=True) if compiled else _fla
+    actual = _output_and_grads(fn, inputs)
+    for name, value in expected.items():
+        assert actual[name].dtype == value.dtype
+        assert relative_error(actual[name], value) <= 1e-5, name
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fla_backward_runs_no_forward_kernel(stand_in, compiled):
+    fn = torch.compile(_fla, backend="aot_eager", fullgraph=True) if compiled else _fla
+    leaves = [x.detach().requires_grad_() for x in list(_inputs().values())[:5]]
+    out = fn(*leaves, CU_SEQLENS)
+    assert (stand_in.forward_calls, stand_in.backward_calls) == (1, 0)
+    out.sum().backward()
+    assert (stand_in.forward_calls, stand_in.backward_calls) == (1, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fla_op_passes_opcheck(stand_in, dtype):
+    inputs = _inputs(dtype)
+    tensors = [inputs[name].detach().requires_grad_() for name in INPUT_NAMES]
+    torch.library.opcheck(
+        torch.ops.titan_gdn.gated_delta_rule_fla, (*tensors, CU_SEQLENS, HEAD_DIM**-0.5)
+    )
+
+
+def test_fla_op_keeps_low_precision_outputs_and_input_dtypes_for_grads(stand_in):
+    inputs = _inputs(torch.bfloat16)
+    result = _output_and_grads(_fla, inputs)
+    assert result["o"].dtype == torch.bfloat16
+    for name in INPUT_NAMES:
+        assert result[f"d{name}"].dtype == inputs[name].dtype, name

@@ -1,0 +1,186 @@
+"""FLA's chunked gated delta rule as two custom ops: a forward that returns FLA's residuals
+and a backward that consumes them, so no FLA forward kernel runs again in backward.
+
+FLA's own autograd Function (``fla.ops.gated_delta_rule.chunk.ChunkGatedDeltaRuleFunction``)
+L2-normalises q and k, runs ``chunk_gated_delta_rule_fwd`` and saves q, k (normalised), their
+inverse norms, v, the chunk-local cumulative decay, beta and the solved WY matrix A; its
+backward hands those to ``chunk_gated_delta_rule_bwd``. An opaque op cannot keep a Python
+Function's saved state, so here the same tensors are outputs of the forward op, saved by its
+autograd formula, and the backward op calls ``chunk_gated_delta_rule_bwd`` on them: eager and
+compiled training run exactly FLA's kernels, and selective activation checkpointing can keep
+the op's outputs instead of recomputing the kernel.
+
+Only FLA's Triton path is called: replacement backends that FLA's public function may dispatch
+to (FlashQLA, Ascend) are not used. The Hopper guard lift (`hopper_guard`) still applies: it
+rebinds the name that ``chunk_gated_delta_rule_bwd`` looks up in its own module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from titan_gdn.ops.documents import cached_without_empty_tail
+
+# FLA's default chunk size for the gated delta rule; A is [1, T, Hv, CHUNK_SIZE].
+CHUNK_SIZE = 64
+
+
+class FlaKernels(NamedTuple):
+    """The FLA functions the ops call, looked up once (tests substitute stand-ins)."""
+
+    l2norm_fwd: Callable
+    l2norm_bwd: Callable
+    prepare_chunk_indices: Callable
+    forward: Callable
+    backward: Callable
+
+
+@functools.cache
+def load_fla_kernels() -> FlaKernels:
+    from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
+    from fla.ops.gated_delta_rule.chunk import (
+        chunk_gated_delta_rule_bwd,
+        chunk_gated_delta_rule_fwd,
+    )
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from titan_gdn.ops.delta_rule.hopper_guard import allow_fla_hopper_bk128
+
+    allow_fla_hopper_bk128()
+    return FlaKernels(
+        l2norm_fwd,
+        l2norm_bwd,
+        prepare_chunk_indices,
+        chunk_gated_delta_rule_fwd,
+        chunk_gated_delta_rule_bwd,
+    )
+
+
+def fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale: float | None) -> Tensor:
+    """The gated delta rule on FLA's kernels; same contract as `gated_delta_rule`."""
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    return gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens, scale)[0]
+
+
+@torch.library.custom_op("titan_gdn::gated_delta_rule_fla", mutates_args=())
+def gated_delta_rule_fla(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """o and the residuals (q, q_rstd, k, k_rstd, v, g_cumsum, A) that the backward takes."""
+    fla = load_fla_kernels()
+    # FLA types cu_seqlens as LongTensor, but every kernel casts what it loads, and int32 is
+    # what FLA's own layers pass. No .long(): the trimmed tensor is then the same object
+    # across layers and in backward, so FLA's identity-keyed cache of chunk indices hits.
+    cu_seqlens = cached_without_empty_tail()(cu_seqlens)
+    q, k, g, beta = (x.contiguous() for x in (q, k, g, beta))
+    # A fresh copy even when v is contiguous: a residual must not alias an input. In the GDN
+    # layer v is a slice of the conv output, which FLA's input guard copies just the same;
+    # saving the slice itself would keep the whole conv output alive.
+    v_saved = v.clone(memory_format=torch.contiguous_format)
+    with _on_device(q):
+        q_unit, q_rstd = fla.l2norm_fwd(q)
+        k_unit, k_rstd = fla.l2norm_fwd(k)
+        g_cumsum, o, A, _, _, _ = fla.forward(
+            q=q_unit,
+            k=k_unit,
+            v=v_saved,
+            g=g,
+            beta=beta,
+            scale=scale,
+            initial_state=None,
+            output_final_state=False,
+            cu_seqlens=cu_seqlens,
+            chunk_indices=fla.prepare_chunk_indices(cu_seqlens, CHUNK_SIZE),
+            chunk_size=CHUNK_SIZE,
+        )
+    # FLA returns o in q's dtype; the contract is v's.
+    return o.to(q.dtype).to(v.dtype), q_unit, q_rstd, k_unit, k_rstd, v_saved, g_cumsum, A
+
+
+@gated_delta_rule_fla.register_fake
+def _(q, k, v, g, beta, cu_seqlens, scale):
+    # FLA's dtypes: normalised q/k keep theirs, norms and the cumulative decay are fp32, A
+    # takes k's.
+    return (
+        v.new_empty(v.shape),
+        q.new_empty(q.shape),
+        q.new_empty(q.shape[:-1], dtype=torch.float32),
+        k.new_empty(k.shape),
+        k.new_empty(k.shape[:-1], dtype=torch.float32),
+        v.new_empty(v.shape),
+        g.new_empty(g.shape, dtype=torch.float32),
+        k.new_empty((*beta.shape, CHUNK_SIZE)),
+    )
+
+
+@torch.library.custom_op("titan_gdn::gated_delta_rule_fla_backward", mutates_args=())
+def gated_delta_rule_fla_backward(
+    grad_o: Tensor,
+    q: Tensor,
+    q_rstd: Tensor,
+    k: Tensor,
+    k_rstd: Tensor,
+    v: Tensor,
+    g_cumsum: Tensor,
+    A: Tensor,
+    beta: Tensor,
+    cu_seqlens: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients for q, k, v, g, beta from the forward's residuals, in their dtypes (dg fp32)."""
+    fla = load_fla_kernels()
+    cu_seqlens = cached_without_empty_tail()(cu_seqlens)
+    with _on_device(q):
+        dq, dk, dv, dbeta, dg, _, _, _ = fla.backward(
+            q=q,
+            k=k,
+            v=v,
+            g=g_cumsum,
+            beta=beta.contiguous(),
+            A=A,
+            scale=scale,
+            initial_state=None,
+            do=grad_o.to(q.dtype).contiguous(),
+            dht=None,
+            cu_seqlens=cu_seqlens,
+            chunk_indices=fla.prepare_chunk_indices(cu_seqlens, CHUNK_SIZE),
+            chunk_size=CHUNK_SIZE,
+        )
+        dq = fla.l2norm_bwd(q, q_rstd, dq)
+        dk = fla.l2norm_bwd(k, k_rstd, dk)
+    grads = (dq, dk, dv, dg, dbeta)
+    return tuple(grad.to(x.dtype) for grad, x in zip(grads, (q, k, v, g_cumsum, beta), strict=True))
+
+
+@gated_delta_rule_fla_backward.register_fake
+def _(grad_o, q, q_rstd, k, k_rstd, v, g_cumsum, A, beta, cu_seqlens, scale):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, g_cumsum, beta))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, cu_seqlens, scale = inputs
+    residuals = output[1:]
+    ctx.mark_non_differentiable(*residuals)
+    ctx.save_for_backward(*residuals, beta, cu_seqlens)
+    ctx.scale = scale
+    ctx.input_dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+
+
+def _backward(ctx, grad_o, *residual_grads):
+    grads = gated_delta_rule_fla_backward(grad_o, *ctx.saved_tensors, ctx.scale)
+    grads = [grad.to(dtype) for grad, dtype in zip(grads, ctx.input_dtypes, strict=True)]
+    return *grads, None, None
+
+
+gated_delta_rule_fla.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _on_device(x: Tensor):
+    # FLA's input guard does this: Triton launches on the current CUDA device.
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
