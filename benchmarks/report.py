@@ -351,6 +351,10 @@ def _syncs_text(syncs: dict | None) -> str | None:
     return f"{syncs['total']}" + (f" ({detail})" if detail else "")
 
 
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.3g}"
+
+
 def _ms(value) -> str | None:
     return None if value is None else f"{value:.1f}"
 
@@ -370,7 +374,7 @@ def _all_to_all_table(data: dict) -> list[str]:
                     r["seq_len"],
                     r["cp"],
                     size["direction"],
-                    f"{size['bytes'] / 2**20:.1f}",
+                    _mib(size["bytes"]),
                     size["calls"],
                     size.get("median_kernel_ms"),
                     size.get("gb_per_s"),
@@ -454,10 +458,7 @@ def _probe_table(data: dict) -> list[str]:
     probe = data.get("probe", [])
     if not probe:
         return []
-    rows = [
-        [f"{p['bytes'] / 2**20:.1f}", p["median_ms"], p["gb_per_s"], p["bus_gb_per_s"]]
-        for p in probe
-    ]
+    rows = [[_mib(p["bytes"]), p["median_ms"], p["gb_per_s"], p["bus_gb_per_s"]] for p in probe]
     intro = ["NCCL `all_to_all_single` alone at the mixers' message sizes:", ""]
     return intro + table(["MiB/rank", "ms", "GB/s", "bus GB/s"], rows)
 

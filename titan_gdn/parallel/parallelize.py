@@ -23,9 +23,9 @@ from torch.distributed.fsdp import (
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.config.job_config import Compile as CompileConfig
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 from torchtitan.tools.logging import logger
+
+from titan_gdn.parallel.activation_checkpoint import apply_activation_checkpointing
 
 _UNSUPPORTED = (
     ("tp", "parallelism.tensor_parallel_degree"),
@@ -48,12 +48,11 @@ def parallelize_qwen3_5(
 
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
-        apply_ac(
+        apply_activation_checkpointing(
             model,
             job_config.activation_checkpoint,
             model_compile_enabled=compile_model,
-            op_sac_save_list=_op_sac_save_list,
-            base_folder=job_config.job.dump_folder,
+            dump_folder=job_config.job.dump_folder,
         )
     # After AC wrapping and before FSDP, as torchtitan does.
     if compile_model:
