@@ -97,6 +97,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="reuse the trials --out holds")
     parser.add_argument("--time-budget-s", type=float, default=None)
     parser.add_argument("--trial-timeout-s", type=float, default=900)
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        help=f"trial logs (default: {LOG_ROOT.relative_to(records.REPO_ROOT)}/<out name>)",
+    )
     parser.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)  # a trial's length
     parser.add_argument("--trial-out", type=Path, help=argparse.SUPPRESS)  # set: be a trial
     records.add_training_arguments(parser, steps=4, warmup=1)
@@ -185,7 +190,7 @@ def _report_trial(trial: dict) -> None:
 def run_trial_process(args: argparse.Namespace, seq_len: int) -> dict:
     """One trial in a fresh torchrun; its record, with status "error" if it neither fitted
     nor ran out of memory."""
-    log_dir = LOG_ROOT / args.out.stem
+    log_dir = (args.log_dir or LOG_ROOT / args.out.stem).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     trial_out, log = log_dir / f"seq{seq_len}.json", log_dir / f"seq{seq_len}.log"
     trial_out.unlink(missing_ok=True)
@@ -206,7 +211,9 @@ def run_trial_process(args: argparse.Namespace, seq_len: int) -> dict:
             "detected_from_log": True,
         }
     record["seconds"] = round(time.monotonic() - start, 1)
-    record["log"] = str(log.relative_to(records.REPO_ROOT))
+    record["log"] = str(
+        log.relative_to(records.REPO_ROOT) if log.is_relative_to(records.REPO_ROOT) else log
+    )
     return record
 
 

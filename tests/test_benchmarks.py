@@ -48,7 +48,7 @@ def results(tmp_path_factory) -> Path:
     _run(
         [sys.executable, "-m", "benchmarks.memory", "--flavor", "debugmodel", "--cp", "1"]
         + ["--ac", "none", "--start", "64", "--limit", "64", "--granularity", "32"]
-        + ["--out", str(folder / "memory.json"), *FAST]
+        + ["--out", str(folder / "memory.json"), "--log-dir", str(folder / "logs"), *FAST]
     )
     return folder
 
