@@ -140,7 +140,10 @@ class Search:
                 f"({previous.get('options')}); use another --out or drop --resume"
             )
         self.data = previous or {"kind": "memory", "options": self.options, "trials": []}
-        self.data["command"] = records.command_line(MODULE, 1)
+        command = records.command_line(MODULE, 1)
+        commands = self.data.setdefault("commands", [])
+        if command not in commands:
+            commands.append(command)
 
     def fits(self, seq_len: int) -> bool:
         trial = next((t for t in self.data["trials"] if t["seq_len"] == seq_len), None)

@@ -109,14 +109,14 @@ def _provenance(name: str, data: dict) -> list[str]:
     memory = f" ({hardware['memory_gib']} GiB)" if hardware.get("memory_gib") else ""
     git = env.get("git", {})
     commit = (git.get("commit") or "?")[:10] + (" (modified)" if git.get("dirty") else "")
-    command = data.get("command") or env.get("command", "?")
+    commands = data.get("commands") or [env.get("command", "?")]
     settings = "".join(f"; {key}={value}" for key, value in env.get("env", {}).items())
     return [
         f"`docs/results/{name}`: {env.get('date', '?')}, {hardware.get('processes', '?')} x "
         f"{hardware.get('device', '?')}{memory}; {version_text}; commit {commit}{settings}.",
         "",
         "```bash",
-        command,
+        *commands,
         "```",
         "",
     ]

@@ -86,6 +86,10 @@ class Run:
             "kernel": [],
             "probe": [],
         }
+        # Every invocation that added to the file: --resume runs may differ in their lists.
+        _add_unique(
+            self.data.setdefault("commands", []), records.command_line(MODULE, rt.world_size)
+        )
 
     def done(self, section: str, key: dict) -> bool:
         return any(_matches(entry, key) for entry in self.data[section])
@@ -110,6 +114,11 @@ class Run:
         return common.make_batches(
             self.opts.docs, self.tokenizer, run.seq_len, count, rank, dp_size, self.opts.seed
         )
+
+
+def _add_unique(items: list, item) -> None:
+    if item not in items:
+        items.append(item)
 
 
 def _matches(entry: dict, key: dict) -> bool:
