@@ -20,7 +20,9 @@ class PackedDocumentDataset(IterableDataset, Stateful):
     Rank r reads documents r, r + dp_world_size, ... so ranks see disjoint documents. Each row
     yields ({"input": row[:-1]}, row[1:]). In infinite mode the tokens left at the end of an epoch
     carry into the next one; a finite pass drops its last partial row, as torchtitan does.
-    Documents are tokenized one at a time, only when the buffer runs short of a row.
+    Documents are tokenized one at a time, only when the buffer runs short of a row. Empty
+    (blank) documents are skipped and counted in the log. A document longer than a row
+    continues in the next row(s); each row starts a new attention segment.
 
     The state (epoch, documents read in this epoch, unconsumed tokens) is exactly what the
     generator has consumed at its last yield, so restoring it continues the stream seamlessly.
@@ -58,16 +60,18 @@ class PackedDocumentDataset(IterableDataset, Stateful):
     def __iter__(self) -> Iterator[Sample]:
         first, stride = self._shard()
         while True:
+            from_epoch_start = self._documents_read == 0
             start = first + self._documents_read * stride
+            empty = 0
             for text in self.source.iter_documents(start, stride):
                 self._documents_read += 1
+                if not text.strip():
+                    # BOS + EOS alone teaches nothing but "end right after the start".
+                    empty += 1
+                    continue
                 self._token_buffer.extend(self.tokenizer.encode(text, add_bos=True, add_eos=True))
                 yield from self._full_rows()
-            if self._documents_read == 0:
-                raise ValueError(
-                    f"{self.source.description} has no documents for dp rank {self.dp_rank} "
-                    f"(fewer documents than dp_world_size x dataloader workers = {stride})"
-                )
+            self._check_epoch_had_text(from_epoch_start, empty, stride)
             self._epoch += 1
             self._documents_read = 0
             if not self.infinite:
@@ -76,6 +80,25 @@ class PackedDocumentDataset(IterableDataset, Stateful):
                 self._token_buffer = []
                 return
             logger.info(f"{self.source.description}: starting epoch {self._epoch}")
+
+    def _check_epoch_had_text(self, from_epoch_start: bool, empty: int, stride: int) -> None:
+        if empty:
+            logger.warning(
+                f"{self.source.description}: skipped {empty} empty document(s) of dp rank "
+                f"{self.dp_rank} in epoch {self._epoch}"
+            )
+        if not from_epoch_start:
+            return  # a resumed pass sees only the rest of its epoch
+        if self._documents_read == 0:
+            raise ValueError(
+                f"{self.source.description} has no documents for dp rank {self.dp_rank} "
+                f"(fewer documents than dp_world_size x dataloader workers = {stride})"
+            )
+        if empty == self._documents_read:
+            raise ValueError(
+                f"{self.source.description} has only empty documents for dp rank "
+                f"{self.dp_rank}; training.dataset_path needs documents with text"
+            )
 
     def _shard(self) -> tuple[int, int]:
         """First document and stride of this rank's (and dataloader worker's) shard."""
