@@ -1,4 +1,6 @@
-"""torchtitan's Trainer with this model's batch preparation and a loadable HF export."""
+"""torchtitan's Trainer with this model's batch preparation and a loadable HF export, and the
+guards of a long run: the whole config checked before anything is built, token ids checked
+against the vocabulary, NaN/inf losses stopped (or skipped) before the optimizer step."""
 
 from __future__ import annotations
 
@@ -8,8 +10,13 @@ from typing import Any
 import torch
 from torchtitan.train import Trainer
 
+from titan_gdn.data.vocab_check import check_token_ids
+from titan_gdn.job_config import setting
+from titan_gdn.loss_guard import NonFiniteLossGuard
 from titan_gdn.model import Qwen35Model
 from titan_gdn.parallel.context_parallel import shard_sequence
+from titan_gdn.train_spec import TRAIN_SPEC_NAME
+from titan_gdn.validation import latest_complete_checkpoint, validate_job_config
 
 
 def prepare_batch(model, tokenizer, parallel_dims, input_dict, labels):
@@ -33,6 +40,44 @@ def prepare_batch(model, tokenizer, parallel_dims, input_dict, labels):
 
 
 class Qwen35Trainer(Trainer):
+    def __init__(self, job_config) -> None:
+        # Before torchtitan's init: no process group, data loader or model exists yet, so a
+        # bad setting costs seconds, and every problem is reported at once.
+        if job_config.model.name == TRAIN_SPEC_NAME:
+            validate_job_config(job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        super().__init__(job_config)
+        self.loss_guard = NonFiniteLossGuard(
+            max_skips=setting(job_config, "training", "skip_nonfinite_loss_steps"),
+            last_checkpoint=lambda: (
+                latest_complete_checkpoint(job_config) if job_config.checkpoint.enable else None
+            ),
+        )
+
+    def batch_generator(self, data_iterable):
+        return super().batch_generator(self._checked_token_ids(data_iterable))
+
+    def _checked_token_ids(self, data_iterable):
+        vocab_size = getattr(self.model_args, "vocab_size", None)
+        model = self.job_config.model
+        for input_dict, labels in data_iterable:
+            if vocab_size is not None:
+                check_token_ids(
+                    input_dict["input"], labels, vocab_size, model.flavor, model.hf_assets_path
+                )
+            yield input_dict, labels
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+        loss = super().forward_backward_step(
+            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+        )
+        self.loss_guard.after_backward(
+            self.step,
+            loss,
+            self.gradient_accumulation_steps,
+            parameters=lambda: (p for part in self.model_parts for p in part.parameters()),
+        )
+        return loss
+
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:

@@ -236,13 +236,25 @@ def job_config_problems(args: Qwen35ModelArgs, job_config, tokenizer=None) -> li
     from titan_gdn.parallel.context_parallel import context_parallel_problems
 
     problems += context_parallel_problems(args, cp)
-    if tokenizer is not None and tokenizer.get_vocab_size() > args.vocab_size:
+    if tokenizer is not None and tokenizer_id_bound(tokenizer) > args.vocab_size:
         problems.append(
             f"the tokenizer in model.hf_assets_path = {job_config.model.hf_assets_path!r} has "
-            f"{tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
-            f"{args.vocab_size}; use a tokenizer that fits or a flavor with a larger vocab"
+            f"{tokenizer.get_vocab_size()} tokens with ids up to "
+            f"{tokenizer_id_bound(tokenizer) - 1} but the model's vocab_size is "
+            f"{args.vocab_size}: the tokenizer does not belong to model.flavor = "
+            f"{job_config.model.flavor!r}; use the model's tokenizer or a flavor with a larger "
+            "vocab"
         )
     return problems
+
+
+def tokenizer_id_bound(tokenizer) -> int:
+    """One past the largest id `tokenizer` can produce. Ids may be sparse (a special token
+    placed beyond the rest), so the token count alone can understate it."""
+    ids = [tokenizer.get_vocab_size() - 1, tokenizer.eos_id, getattr(tokenizer, "bos_id", None)]
+    if hasattr(tokenizer, "get_vocab"):
+        ids += tokenizer.get_vocab().values()
+    return 1 + max(i for i in ids if i is not None)
 
 
 def _settle_cp_load_balancer(job_config) -> None:
@@ -275,6 +287,12 @@ class Qwen35ArgsFromHFConfig(Qwen35ModelArgs):
     `update_from_config`; until then they are the defaults."""
 
     def update_from_config(self, job_config, **kwargs) -> None:
+        self.load_hf_config(job_config)
+        super().update_from_config(job_config, **kwargs)
+
+    def load_hf_config(self, job_config) -> None:
+        """Take every field from `<model.hf_assets_path>/config.json` (keeping the kernel and
+        loss choices); raise naming the setting when it is missing or not a Qwen3.5 config."""
         config = read_hf_config(job_config.model.hf_assets_path)
         backends = {name: getattr(self, name) for name in _KEPT_FIELDS}
         try:
@@ -285,9 +303,13 @@ class Qwen35ArgsFromHFConfig(Qwen35ModelArgs):
                 f"{job_config.model.hf_assets_path!r} is not a Qwen3.5 config "
                 f"(it has no {missing})"
             ) from None
+        except ValueError as invalid:  # Qwen35ModelArgs.validate: an inconsistent shape
+            raise ValueError(
+                f"model.flavor = {FROM_HF_CONFIG!r}: the config.json in model.hf_assets_path = "
+                f"{job_config.model.hf_assets_path!r} describes no valid model ({invalid})"
+            ) from None
         for field in fields(Qwen35ModelArgs):
             setattr(self, field.name, getattr(loaded, field.name))
-        super().update_from_config(job_config, **kwargs)
 
 
 class UnknownFlavorError(KeyError):

@@ -63,20 +63,28 @@ def parallelize_qwen3_5(
 
 
 def _check_supported(parallel_dims: ParallelDims) -> None:
-    for dim, setting in _UNSUPPORTED:
-        degree = getattr(parallel_dims, dim)
-        if degree > 1:
-            raise ValueError(
-                f"{setting} = {degree} is not supported: titan_gdn supports only FSDP "
-                "(data_parallel_shard_degree, optionally with data_parallel_replicate_degree) "
-                "and context parallelism (context_parallel_degree)."
-            )
+    problems = unsupported_parallelism_problems(parallel_dims)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def unsupported_parallelism_problems(parallel_dims: ParallelDims) -> list[str]:
+    """The parallelisms in `parallel_dims` that titan_gdn does not implement, as messages
+    naming the setting; empty when all are supported."""
+    problems = [
+        f"{setting} = {getattr(parallel_dims, dim)} is not supported: titan_gdn supports only "
+        "FSDP (data_parallel_shard_degree, optionally with data_parallel_replicate_degree) "
+        "and context parallelism (context_parallel_degree)."
+        for dim, setting in _UNSUPPORTED
+        if getattr(parallel_dims, dim) > 1
+    ]
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
-        raise ValueError(
+        problems.append(
             f"parallelism.data_parallel_replicate_degree = {parallel_dims.dp_replicate} "
             "without sharding (pure DDP) is not supported: use data_parallel_shard_degree "
             "(FSDP), or both for HSDP."
         )
+    return problems
 
 
 def _compile_blocks(model: nn.Module, compile_config: CompileConfig) -> None:

@@ -1,0 +1,420 @@
+"""One check of the whole job configuration before anything is built.
+
+`validate_job_config` runs first in the trainer, before the process group, the data loader or
+the model exist, and reports every problem it finds at once (model args x parallelism x data x
+checkpoint), each naming the setting and a fix. It gathers the checks that live next to what
+they protect (`job_config_problems` in model/args.py, `context_parallel_problems`,
+`unsupported_parallelism_problems`, `build_document_source`) and adds the ones torchtitan would
+only hit later: after the model is built (parallel degrees, checkpoint paths) or at the very
+last step (an HF export without `last_save_model_only`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import warnings
+from pathlib import Path
+
+from torchtitan.tools.logging import logger
+
+from titan_gdn.job_config import setting
+
+# torchtitan's rule for a loadable step (CheckpointManager._find_load_step): DCP writes
+# `.metadata` last, by an atomic rename, so a folder without it was interrupted mid-write.
+_STEP_FOLDER = re.compile(r"step-(\d+)")
+_COMPLETE_MARKERS = (".metadata", "model.safetensors.index.json")
+_ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+
+
+class ConfigError(ValueError):
+    """Every problem found in a job config, one per line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        listing = "\n".join(f"  - {problem}" for problem in self.problems)
+        super().__init__(
+            f"{len(self.problems)} problem(s) in the job config; nothing was built or trained:"
+            f"\n{listing}"
+        )
+
+
+def validate_job_config(job_config, world_size: int) -> None:
+    """Raise `ConfigError` listing every problem of `job_config` for a job of `world_size`
+    processes; log the checkpoints a resume will skip."""
+    problems = configuration_problems(job_config, world_size)
+    if problems:
+        raise ConfigError(problems)
+    _log_incomplete_checkpoints(job_config)
+
+
+def configuration_problems(job_config, world_size: int) -> list[str]:
+    return [
+        *_parallelism_problems(job_config.parallelism, world_size),
+        *_batch_problems(job_config, world_size),
+        *_model_problems(job_config),
+        *_data_problems(job_config),
+        *_checkpoint_problems(job_config, world_size),
+        *_fault_policy_problems(job_config),
+    ]
+
+
+# Parallelism and batch
+
+
+def _other_degrees(parallelism) -> int:
+    """Replicate x context x tensor x pipeline degrees: every factor of the world size but
+    data_parallel_shard_degree."""
+    p = parallelism
+    return (
+        p.data_parallel_replicate_degree
+        * p.context_parallel_degree
+        * p.tensor_parallel_degree
+        * p.pipeline_parallel_degree
+    )
+
+
+def _shard_degree(parallelism, world_size: int) -> int:
+    """data_parallel_shard_degree with -1 resolved as torchtitan does (at least 1)."""
+    shard = parallelism.data_parallel_shard_degree
+    others = max(1, _other_degrees(parallelism))  # a degree below 1 is reported on its own
+    return max(1, world_size // others) if shard == -1 else shard
+
+
+def _parallelism_problems(parallelism, world_size: int) -> list[str]:
+    problems = _degree_range_problems(parallelism)
+    if problems:
+        return problems
+    others = _other_degrees(parallelism)
+    shard = _shard_degree(parallelism, world_size)
+    if parallelism.data_parallel_shard_degree == -1 and world_size % others:
+        problems.append(
+            f"{world_size} processes (NGPU x NNODES) cannot be split into groups of "
+            f"data_parallel_replicate x context_parallel x tensor x pipeline degrees = {others}; "
+            f"launch a multiple of {others} processes or lower those parallelism degrees"
+        )
+    elif shard * others != world_size:
+        problems.append(
+            f"the parallelism degrees multiply to {shard * others} (data_parallel_shard_degree "
+            f"{shard} x the others {others}) but the job has {world_size} processes "
+            f"(NGPU x NNODES); launch {shard * others} processes or set "
+            "parallelism.data_parallel_shard_degree = -1"
+        )
+    return problems + _unsupported_problems(parallelism, shard, shard * others)
+
+
+def _degree_range_problems(parallelism) -> list[str]:
+    names = (
+        "data_parallel_replicate_degree",
+        "context_parallel_degree",
+        "tensor_parallel_degree",
+        "pipeline_parallel_degree",
+        "expert_parallel_degree",
+        "expert_tensor_parallel_degree",
+    )
+    problems = [
+        f"parallelism.{name} = {getattr(parallelism, name)} must be at least 1"
+        for name in names
+        if getattr(parallelism, name) < 1
+    ]
+    shard = parallelism.data_parallel_shard_degree
+    if shard != -1 and shard < 1:
+        problems.append(
+            f"parallelism.data_parallel_shard_degree = {shard} must be -1 (all remaining "
+            "ranks) or at least 1"
+        )
+    return problems
+
+
+def _unsupported_problems(parallelism, shard: int, world_size: int) -> list[str]:
+    from torchtitan.distributed import ParallelDims
+
+    from titan_gdn.parallel.parallelize import unsupported_parallelism_problems
+
+    p = parallelism
+    try:
+        dims = ParallelDims(
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=shard,
+            cp=p.context_parallel_degree,
+            tp=p.tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree,
+            ep=p.expert_parallel_degree,
+            etp=p.expert_tensor_parallel_degree,
+            world_size=world_size,
+        )
+    except AssertionError as error:  # torchtitan's own consistency checks (EP/ETP)
+        return [f"parallelism: {error}"]
+    return unsupported_parallelism_problems(dims)
+
+
+def _batch_problems(job_config, world_size: int) -> list[str]:
+    training, problems = job_config.training, []
+    if training.seq_len < 1:
+        problems.append(f"training.seq_len = {training.seq_len} must be at least 1")
+    local = training.local_batch_size
+    if local < 1:
+        return problems + [f"training.local_batch_size = {local} must be at least 1"]
+    parallelism = job_config.parallelism
+    data_parallel = parallelism.data_parallel_replicate_degree * _shard_degree(
+        parallelism, world_size
+    )
+    per_micro_batch = local * data_parallel
+    if training.global_batch_size > 0 and training.global_batch_size % per_micro_batch:
+        problems.append(
+            f"training.global_batch_size = {training.global_batch_size} is not a multiple of "
+            f"training.local_batch_size x data-parallel ranks = {local} x {data_parallel}; "
+            f"use a multiple of {per_micro_batch} (or -1: one micro-batch per step)"
+        )
+    return problems
+
+
+# Model, tokenizer, data
+
+
+def _model_problems(job_config) -> list[str]:
+    from titan_gdn.model.args import job_config_problems
+
+    problems = []
+    try:
+        args = _model_args(job_config)
+    except (KeyError, ValueError, FileNotFoundError) as error:
+        args = None
+        problems.append(str(error))
+    tokenizer = None
+    try:
+        from torchtitan.components.tokenizer import build_hf_tokenizer
+
+        tokenizer = build_hf_tokenizer(job_config)
+    except Exception as error:  # missing files, bad JSON, or the tokenizers library's own
+        problems.append(
+            f"model.hf_assets_path = {job_config.model.hf_assets_path!r} has no usable "
+            f"tokenizer ({error}); point it at a folder with tokenizer.json"
+        )
+    if args is not None:
+        problems += job_config_problems(args, job_config, tokenizer)
+    return problems
+
+
+def _model_args(job_config):
+    """The flavor's args as the trainer will build them (config.json read for
+    from_hf_config), without the job-config checks `update_from_config` adds."""
+    from titan_gdn.model import qwen3_5_args
+    from titan_gdn.model.args import Qwen35ArgsFromHFConfig
+
+    args = copy.deepcopy(qwen3_5_args[job_config.model.flavor])
+    if isinstance(args, Qwen35ArgsFromHFConfig):
+        args.load_hf_config(job_config)
+    return args
+
+
+def _data_problems(job_config) -> list[str]:
+    from titan_gdn.data import build_document_source
+
+    training = job_config.training
+    try:
+        build_document_source(training.dataset, training.dataset_path, "training")
+    except (OSError, ValueError) as error:
+        return [str(error)]
+    return []
+
+
+# Checkpoints
+
+
+def checkpoint_steps(folder: str | os.PathLike) -> tuple[list[int], list[int]]:
+    """(complete, incomplete) step numbers of the `step-N` folders in `folder`, sorted.
+    Resume loads the largest complete one; an incomplete one was interrupted while written."""
+    complete, incomplete = [], []
+    folder = Path(folder)
+    if not folder.is_dir():
+        return complete, incomplete
+    for entry in folder.iterdir():
+        match = _STEP_FOLDER.fullmatch(entry.name)
+        if match and entry.is_dir():
+            done = any((entry / marker).is_file() for marker in _COMPLETE_MARKERS)
+            (complete if done else incomplete).append(int(match.group(1)))
+    return sorted(complete), sorted(incomplete)
+
+
+def checkpoint_folder(job_config) -> Path:
+    return Path(job_config.job.dump_folder) / job_config.checkpoint.folder
+
+
+def latest_complete_checkpoint(job_config) -> Path | None:
+    """The checkpoint a rerun of this job resumes from, or None."""
+    complete, _ = checkpoint_steps(checkpoint_folder(job_config))
+    return checkpoint_folder(job_config) / f"step-{complete[-1]}" if complete else None
+
+
+def _checkpoint_problems(job_config, world_size: int) -> list[str]:
+    checkpoint = job_config.checkpoint
+    if not checkpoint.enable:
+        return _ignored_checkpoint_settings(checkpoint)
+    problems = _checkpoint_policy_problems(checkpoint)
+    if checkpoint.create_seed_checkpoint and world_size != 1:
+        problems.append(
+            f"checkpoint.create_seed_checkpoint = true runs on 1 process, not {world_size}; "
+            "launch it with NGPU=1"
+        )
+    complete, incomplete = checkpoint_steps(checkpoint_folder(job_config))
+    if checkpoint.load_step != -1 and checkpoint.load_step not in complete:
+        problems.append(_missing_load_step(job_config, complete, incomplete))
+    if not complete:
+        problems += _initial_load_problems(job_config, incomplete)
+    elif checkpoint.load_step in (-1, *complete):
+        problems += _resume_problems(job_config, world_size, complete)
+    return problems
+
+
+def _ignored_checkpoint_settings(checkpoint) -> list[str]:
+    ignored = {
+        "create_seed_checkpoint": checkpoint.create_seed_checkpoint,
+        "initial_load_path": checkpoint.initial_load_path,
+        "initial_load_in_hf": checkpoint.initial_load_in_hf,
+        "last_save_in_hf": checkpoint.last_save_in_hf,
+    }
+    return [
+        f"checkpoint.{name} = {value!r} has no effect while checkpoint.enable = false; set "
+        "checkpoint.enable = true (or drop the setting)"
+        for name, value in ignored.items()
+        if value
+    ]
+
+
+def _checkpoint_policy_problems(checkpoint) -> list[str]:
+    problems = []
+    if checkpoint.interval < 1:
+        problems.append(f"checkpoint.interval = {checkpoint.interval} must be at least 1")
+    if checkpoint.keep_latest_k == 1 or checkpoint.keep_latest_k < 0:
+        problems.append(
+            f"checkpoint.keep_latest_k = {checkpoint.keep_latest_k}: keep 0 (all) or at least "
+            "2, since the newest may still be being written when older ones are purged"
+        )
+    if checkpoint.async_mode.lower() not in _ASYNC_MODES:
+        problems.append(
+            f"checkpoint.async_mode = {checkpoint.async_mode!r} is not one of {_ASYNC_MODES}"
+        )
+    if checkpoint.last_save_in_hf and not checkpoint.last_save_model_only:
+        # torchtitan would only find this at the last step, after the whole run.
+        problems.append(
+            "checkpoint.last_save_in_hf = true exports only the model, so it needs "
+            "checkpoint.last_save_model_only = true; set it, or drop last_save_in_hf"
+        )
+    if checkpoint.initial_load_in_hf and not checkpoint.initial_load_model_only:
+        problems.append(
+            "checkpoint.initial_load_in_hf = true loads only the model, so it needs "
+            "checkpoint.initial_load_model_only = true"
+        )
+    return problems
+
+
+def _missing_load_step(job_config, complete: list[int], incomplete: list[int]) -> str:
+    step = job_config.checkpoint.load_step
+    folder = checkpoint_folder(job_config)
+    state = "was interrupted while being written" if step in incomplete else "does not exist"
+    if not complete:
+        return (
+            f"checkpoint.load_step = {step} but {folder} holds no complete checkpoint; "
+            "set checkpoint.load_step = -1"
+        )
+    return (
+        f"checkpoint.load_step = {step} but {folder / f'step-{step}'} {state}; choose one "
+        f"of the complete steps {complete}, or -1 for the latest"
+    )
+
+
+def _initial_load_problems(job_config, incomplete: list[int]) -> list[str]:
+    """A fresh run (no checkpoint to resume) loads its initial weights from here."""
+    checkpoint = job_config.checkpoint
+    wants_initial_load = checkpoint.initial_load_path or checkpoint.initial_load_in_hf
+    if wants_initial_load and checkpoint_folder(job_config).exists():
+        # torchtitan loads the initial weights only when the checkpoint folder does not exist;
+        # a folder holding only an interrupted save would start from random weights instead.
+        return [
+            f"{checkpoint_folder(job_config)} exists but holds no complete checkpoint "
+            f"(interrupted: {', '.join(f'step-{s}' for s in incomplete)}), so the initial weights "
+            "(checkpoint.initial_load_path / initial_load_in_hf) would be skipped; delete that "
+            "folder to start again from them"
+        ]
+    if checkpoint.initial_load_path:
+        if not os.path.isdir(checkpoint.initial_load_path):
+            return [
+                f"checkpoint.initial_load_path = {checkpoint.initial_load_path!r} is not a "
+                "folder; point it at a checkpoint step folder (or an HF model folder with "
+                "checkpoint.initial_load_in_hf)"
+            ]
+        source, setting_name = checkpoint.initial_load_path, "checkpoint.initial_load_path"
+    elif checkpoint.initial_load_in_hf:
+        source, setting_name = job_config.model.hf_assets_path, "model.hf_assets_path"
+    else:
+        return []
+    if checkpoint.initial_load_in_hf and not any(Path(source).glob("*.safetensors")):
+        return [
+            f"checkpoint.initial_load_in_hf = true but {setting_name} = {source!r} has no "
+            "*.safetensors weights; point it at the HF model folder"
+        ]
+    return []
+
+
+def _resume_problems(job_config, world_size: int, complete: list[int]) -> list[str]:
+    """The data loader's position is saved per data-parallel rank and cannot be resharded
+    (torchtitan asserts it once the model is built); compare the rank counts now."""
+    checkpoint = job_config.checkpoint
+    step = complete[-1] if checkpoint.load_step == -1 else checkpoint.load_step
+    if step == 0 or "dataloader" in checkpoint.exclude_from_loading:
+        return []  # a model-only (seed) checkpoint, or the data position is not restored
+    folder = checkpoint_folder(job_config) / f"step-{step}"
+    saved = _saved_data_parallel_ranks(folder)
+    parallelism = job_config.parallelism
+    ranks = parallelism.data_parallel_replicate_degree * _shard_degree(parallelism, world_size)
+    if saved is None or saved == ranks:
+        return []
+    return [
+        f"resuming from {folder}, written by {saved} data-parallel ranks, with {ranks}: the "
+        "data loader's position cannot be split differently; run with the same data-parallel "
+        'ranks (NGPU x NNODES / parallelism degrees), or add "dataloader" to '
+        "checkpoint.exclude_from_loading, or use a new job.dump_folder"
+    ]
+
+
+def _saved_data_parallel_ranks(folder: Path) -> int | None:
+    import torch.distributed.checkpoint as dcp
+
+    state = {"dataloader": {"world_size": -1}}
+    try:
+        with warnings.catch_warnings():
+            # Read before the process group exists, on purpose: each rank reads one entry.
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    except Exception:  # no data loader state in it (model-only): nothing to compare
+        return None
+    return state["dataloader"]["world_size"]
+
+
+def _log_incomplete_checkpoints(job_config) -> None:
+    if not job_config.checkpoint.enable:
+        return
+    complete, incomplete = checkpoint_steps(checkpoint_folder(job_config))
+    newer = [step for step in incomplete if not complete or step > complete[-1]]
+    if newer:
+        latest = f"step-{complete[-1]}" if complete else "no checkpoint (a fresh start)"
+        logger.warning(
+            f"Ignoring checkpoint(s) {', '.join(f'step-{s}' for s in newer)} in "
+            f"{checkpoint_folder(job_config)}: interrupted while being written (no .metadata); "
+            f"resuming from {latest}"
+        )
+
+
+# Faults
+
+
+def _fault_policy_problems(job_config) -> list[str]:
+    skips = setting(job_config, "training", "skip_nonfinite_loss_steps")
+    if skips < 0:
+        return [
+            f"training.skip_nonfinite_loss_steps = {skips} must be at least 0 (0: stop at the "
+            "first NaN/inf loss)"
+        ]
+    return []
