@@ -1,0 +1,717 @@
+"""Reliability: one validation pass over the job config, bad data, NaN/inf losses, a rank killed
+mid-run and a checkpoint interrupted while being written (CPU, gloo).
+
+The fault runs train the debug model with run_train.sh; faults come from outside (SIGKILL of a
+rank's process) or from tests/fixtures/faults.py (a NaN loss, a kill inside DCP's save).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "assets" / "tokenizer"
+DEBUG_CONFIG = REPO / "train_configs" / "debug_model.toml"
+STEP_LOG = re.compile(r"step:\s*(\d+)\s+loss:\s*(\S+)\s+grad_norm:\s*(\S+).*?docs:\s*([0-9.,]+)")
+SEQ_LEN, BATCH = 128, 2
+SMALL = (
+    "--training.seq_len", str(SEQ_LEN),
+    "--training.local_batch_size", str(BATCH),
+    "--metrics.log_freq", "1",
+    "--metrics.disable_color_printing",
+    "--debug.seed", "7",
+    "--debug.deterministic",
+)  # fmt: skip
+FAULTS = ("--experimental.custom_import", "tests.fixtures.faults")
+
+pytestmark = pytest.mark.skipif(
+    torch.accelerator.is_available(), reason="CPU runs (gloo); GPU runs live in tests/gpu"
+)
+
+
+# Helpers: runs, checkpoints, processes
+
+
+@dataclass
+class Run:
+    code: int
+    output: str
+    steps: dict[int, tuple[str, str, str]]  # step -> printed (loss, grad_norm, documents)
+
+
+def _launch(dump: Path, *overrides: str, ngpu: int = 1, env=None, on_line=None) -> Run:
+    """run_train.sh on the debug config; `on_line(line, process)` sees each output line as it
+    arrives (rank 0's log, then torchrun's)."""
+    command = ["bash", "run_train.sh", "--job.dump_folder", str(dump), *SMALL, *overrides]
+    environment = {
+        **os.environ,
+        "NGPU": str(ngpu),
+        "CONFIG_FILE": str(DEBUG_CONFIG),
+        "LOG_RANK": "0",
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # one process group: the watchdog ends the whole run
+    )
+    watchdog = threading.Timer(300, os.killpg, (process.pid, signal.SIGKILL))
+    watchdog.start()
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line, process)
+        process.wait()
+    finally:
+        watchdog.cancel()
+    output = "".join(lines)
+    steps = {int(s): (loss, norm, docs) for s, loss, norm, docs in STEP_LOG.findall(output)}
+    return Run(process.returncode, output, steps)
+
+
+def _tensorboard_files(dump: Path) -> set[Path]:
+    return set(dump.glob("tb/**/events.out.tfevents.*"))
+
+
+def _tensorboard(files) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} from TensorBoard event files (float32 values, as written)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(files):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                number = value.tensor.float_val[0] if value.HasField("tensor") else None
+                number = value.simple_value if number is None else number
+                scalars.setdefault(value.tag, {})[event.step] = number
+    return scalars
+
+
+def _checkpoint(folder: Path, scratch: Path) -> dict:
+    """A DCP checkpoint folder read back whole (model, optimizer, dataloader, train_state)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = scratch / f"{folder.parent.parent.name}-{folder.name}.pt"
+    dcp_to_torch_save(str(folder), str(target))
+    return torch.load(target, weights_only=False)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _rank_pid(root: int, rank: int) -> int | None:
+    """The training process of `rank` among `root`'s descendants (torchrun gives each worker
+    RANK and LOCAL_RANK in its environment)."""
+    wanted = {f"RANK={rank}".encode(), f"LOCAL_RANK={rank}".encode()}
+    queue = [root]
+    while queue:
+        pid = queue.pop(0)
+        try:
+            environment = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            environment = set()
+        if wanted <= environment:
+            return pid
+        queue += _children(pid)
+    return None
+
+
+def _killed_by_sigkill(output: str, pid: int | None = None) -> bool:
+    """torchrun reports a worker that died of SIGKILL (its failure line or its summary)."""
+    process = r"\d+" if pid is None else str(pid)
+    return (
+        re.search(rf"exitcode\s*:\s*-9\)?\s+(local_rank: \d+ )?\(pid: {process}\)", output)
+        is not None
+    )
+
+
+def _packed_dataset(dp_rank: int, dp_world_size: int):
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from titan_gdn.data import PackedDocumentDataset, build_document_source
+
+    return PackedDocumentDataset(
+        build_document_source("tinyshakespeare", None),
+        HuggingFaceTokenizer(str(TOKENIZER)),
+        seq_len=SEQ_LEN,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        infinite=True,
+    )
+
+
+def _assert_data_consumed_exactly(checkpoint: dict, steps: int, dp_world_size: int) -> None:
+    """The checkpoint's loader position is exactly `steps` batches into each rank's stream: the
+    batches before it were consumed once, and a resume continues with the next row."""
+    loader_states = checkpoint["dataloader"]
+    assert loader_states["world_size"] == dp_world_size
+    for rank in range(dp_world_size):
+        state = pickle.loads(loader_states[f"dp_rank_{rank}"])
+        assert state["_num_yielded"] == steps, (rank, state["_num_yielded"], steps)
+        reference = _packed_dataset(rank, dp_world_size)
+        rows = iter(reference)
+        assert len(list(itertools.islice(rows, steps * BATCH))) == steps * BATCH
+        assert state["dataset_state"] == reference.state_dict(), rank
+        resumed = _packed_dataset(rank, dp_world_size)
+        resumed.load_state_dict(state["dataset_state"])
+        (want_input, want_label), (got_input, got_label) = next(rows), next(iter(resumed))
+        assert torch.equal(got_input["input"], want_input["input"]), rank
+        assert torch.equal(got_label, want_label), rank
+
+
+def _job_config(*args: str):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--job.config_file", str(DEBUG_CONFIG), *args])
+
+
+def _problems(job_config, world_size: int = 1) -> list[str]:
+    from titan_gdn.validation import ConfigError, validate_job_config
+
+    with pytest.raises(ConfigError) as error:
+        validate_job_config(job_config, world_size)
+    assert str(error.value).startswith(f"{len(error.value.problems)} problem(s)")
+    return error.value.problems
+
+
+def _one_problem_per_fragment(problems: list[str], fragments: list[str]) -> None:
+    for fragment in fragments:
+        matching = [problem for problem in problems if fragment in problem]
+        assert len(matching) == 1, (fragment, problems)
+    assert len(problems) == len(fragments), problems
+
+
+# One validation pass over the whole job config
+
+
+def test_every_problem_of_a_bad_config_is_reported_at_once(tmp_path):
+    missing_data = tmp_path / "missing.txt"
+    job_config = _job_config(
+        "--job.dump_folder", str(tmp_path),
+        "--parallelism.context_parallel_degree", "3",
+        "--parallelism.tensor_parallel_degree", "2",
+        "--training.seq_len", "130",
+        "--training.global_batch_size", "5",
+        "--training.dataset", "text",
+        "--training.dataset_path", str(missing_data),
+        "--training.skip_nonfinite_loss_steps", "-1",
+        "--validation.enable",
+        "--checkpoint.enable",
+        "--checkpoint.last_save_in_hf",
+        "--checkpoint.keep_latest_k", "1",
+        "--checkpoint.load_step", "7",
+    )  # fmt: skip
+    problems = _problems(job_config, world_size=4)
+    _one_problem_per_fragment(
+        problems,
+        [
+            "4 processes (NGPU x NNODES) cannot be split into groups of",
+            "parallelism.tensor_parallel_degree = 2 is not supported",
+            "training.global_batch_size = 5 is not a multiple of",
+            "validation.enable = true is not supported",
+            "training.seq_len = 130 is not divisible by parallelism.context_parallel_degree = 3",
+            "linear_num_key_heads = 4 is not divisible",
+            "linear_num_value_heads = 8 is not divisible",
+            "n_heads = 4 is not divisible",
+            "n_kv_heads = 2 can neither be split nor evenly repeated",
+            f'training.dataset_path = "{missing_data}" does not exist',
+            "checkpoint.keep_latest_k = 1",
+            "checkpoint.last_save_in_hf = true exports only the model",
+            "checkpoint.load_step = 7 but",
+            "training.skip_nonfinite_loss_steps = -1 must be at least 0",
+        ],
+    )
+    # Every message names the setting to change.
+    setting = re.compile(r"\b(parallelism|training|validation|checkpoint|model)\.\w+|NGPU")
+    assert all(setting.search(problem) for problem in problems), problems
+
+
+@pytest.mark.parametrize(
+    "config, world_size",
+    [
+        ("debug_model.toml", 1),
+        ("debug_model.toml", 2),
+        ("qwen3_5_0.8b.toml", 8),
+        ("qwen3_5_2b_cp2.toml", 2),
+        ("qwen3_5_0.8b_cp2.toml", 4),
+    ],
+)
+def test_shipped_configs_pass_validation(config, world_size, monkeypatch):
+    from torchtitan.config import ConfigManager
+
+    from titan_gdn.validation import validate_job_config
+
+    monkeypatch.chdir(REPO)  # the configs' paths are relative to the repository root
+    job_config = ConfigManager().parse_args(["--job.config_file", f"train_configs/{config}"])
+    assert job_config.training.skip_nonfinite_loss_steps == 0  # titan_gdn's settings merged in
+    validate_job_config(job_config, world_size)
+
+
+def test_world_size_that_does_not_fit_the_degrees_is_refused():
+    job_config = _job_config("--parallelism.data_parallel_shard_degree", "2")
+    _one_problem_per_fragment(
+        _problems(job_config, world_size=3),
+        ["the parallelism degrees multiply to 2 (data_parallel_shard_degree 2 x the others 1) "
+         "but the job has 3 processes"],
+    )  # fmt: skip
+
+
+def test_a_tokenizer_with_ids_beyond_the_vocab_is_refused(tmp_path):
+    # A tokenizer of 2020 tokens whose EOS sits at id 3000: its size fits the model's 2048
+    # rows, its ids do not.
+    shutil.copytree(TOKENIZER, tmp_path / "tokenizer")
+    tokenizer_file = tmp_path / "tokenizer" / "tokenizer.json"
+    spec = json.loads(tokenizer_file.read_text())
+    spec["model"]["vocab"]["<|end_of_text|>"] = 3000
+    tokenizer_file.write_text(json.dumps(spec))
+    job_config = _job_config("--model.hf_assets_path", str(tmp_path / "tokenizer"))
+    _one_problem_per_fragment(
+        _problems(job_config),
+        ["has 2020 tokens with ids up to 3000 but the model's vocab_size is 2048: the "
+         "tokenizer does not belong to model.flavor = 'debugmodel'"],
+    )  # fmt: skip
+
+
+def test_checkpoint_settings_that_torchtitan_would_trip_over_late(tmp_path):
+    hf_folder = tmp_path / "hf"  # no safetensors in it
+    hf_folder.mkdir()
+    job_config = _job_config(
+        "--job.dump_folder", str(tmp_path / "run"),
+        "--checkpoint.enable",
+        "--checkpoint.interval", "0",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.no-initial-load-model-only",
+        "--checkpoint.initial_load_path", str(hf_folder),
+    )  # fmt: skip
+    # As a TOML file may say it (the command line's parser checks the choice, TOML's does not).
+    job_config.checkpoint.async_mode = "sometimes"
+    _one_problem_per_fragment(
+        _problems(job_config),
+        [
+            "checkpoint.interval = 0 must be at least 1",
+            "checkpoint.async_mode = 'sometimes'",
+            "checkpoint.initial_load_in_hf = true loads only the model",
+            f"checkpoint.initial_load_in_hf = true but checkpoint.initial_load_path = "
+            f"'{hf_folder}' has no *.safetensors",
+        ],
+    )
+    disabled = _job_config("--checkpoint.initial_load_path", str(hf_folder))
+    ignored = f"checkpoint.initial_load_path = '{hf_folder}' has no effect while checkpoint"
+    _one_problem_per_fragment(_problems(disabled), [ignored])
+
+
+def _fake_step(folder: Path, step: int, complete: bool, marker: str = ".metadata") -> None:
+    step_folder = folder / f"step-{step}"
+    step_folder.mkdir(parents=True)
+    (step_folder / "__0_0.distcp").write_bytes(os.urandom(64))
+    if complete:
+        (step_folder / marker).write_bytes(os.urandom(16))
+
+
+def test_complete_checkpoints_are_those_torchtitan_resumes_from(tmp_path):
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    from titan_gdn.validation import checkpoint_steps
+
+    folder = tmp_path / "checkpoint"
+    steps = random.Random().sample(range(1, 1000), 5)
+    complete = sorted(steps[:3])
+    for step in steps:
+        _fake_step(folder, step, complete=step in complete)
+    assert checkpoint_steps(folder) == (complete, sorted(steps[3:]))
+    # torchtitan 0.2.2's own choice when resuming (CheckpointManager.load with step -1).
+    find_load_step = CheckpointManager._find_load_step
+    assert find_load_step(SimpleNamespace(folder=str(folder))) == complete[-1]
+    newest = max(steps) + 1
+    _fake_step(folder, newest, complete=True, marker="model.safetensors.index.json")
+    assert checkpoint_steps(folder)[0][-1] == newest
+    assert find_load_step(SimpleNamespace(folder=str(folder))) == newest
+
+
+def test_an_interrupted_first_save_does_not_silently_drop_the_initial_weights(tmp_path):
+    seed = tmp_path / "seed" / "step-0"
+    _fake_step(seed.parent, 0, complete=True)
+    _fake_step(tmp_path / "run" / "checkpoint", 10, complete=False)
+    job_config = _job_config(
+        "--job.dump_folder", str(tmp_path / "run"),
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path", str(seed),
+        "--checkpoint.load_step", "10",
+    )  # fmt: skip
+    _one_problem_per_fragment(
+        _problems(job_config),
+        [
+            "checkpoint.load_step = 10 but",
+            "exists but holds no complete checkpoint (interrupted: step-10)",
+        ],
+    )
+
+
+def test_resuming_with_other_data_parallel_ranks_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from titan_gdn.validation import validate_job_config
+
+    ranks = random.randint(2, 8)
+    step = random.randint(1, 100)
+    saved = {"dataloader": {"world_size": ranks, "dp_rank_0": b"position"}}
+    dcp.save(saved, checkpoint_id=str(tmp_path / "checkpoint" / f"step-{step}"), no_dist=True)
+    job_config = _job_config("--job.dump_folder", str(tmp_path), "--checkpoint.enable")
+    validate_job_config(job_config, world_size=ranks)  # the same ranks resume
+    _one_problem_per_fragment(
+        _problems(job_config, world_size=ranks - 1),
+        [f"step-{step}, written by {ranks} data-parallel ranks, with {ranks - 1}"],
+    )
+
+
+def test_bad_settings_stop_the_trainer_before_anything_is_built(tmp_path):
+    run = _launch(
+        tmp_path,
+        "--training.seq_len", "131073",
+        "--training.dataset", "jsonl",
+        "--checkpoint.enable",
+        "--checkpoint.last_save_in_hf",
+        "--training.skip_nonfinite_loss_steps", "-2",
+    )  # fmt: skip
+    assert run.code != 0, run.output[-6000:]
+    assert "4 problem(s) in the job config; nothing was built or trained" in run.output
+    for fragment in (
+        "training.seq_len = 131073 exceeds the model's max_seq_len = 131072",
+        'training.dataset = "jsonl" needs training.dataset_path',
+        "checkpoint.last_save_in_hf = true exports only the model",
+        "training.skip_nonfinite_loss_steps = -2 must be at least 0",
+    ):
+        assert fragment in run.output, (fragment, run.output[-6000:])
+    # Raised before torchtitan's init: no process group, tokenizer, loader or model.
+    for later in ("Building", "Training starts", "Packed training data"):
+        assert later not in run.output, run.output[-6000:]
+
+
+# Bad data
+
+
+def test_token_ids_outside_the_vocab_stop_with_the_mismatch_named():
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    from titan_gdn.data.vocab_check import TokenIdError, check_token_ids
+
+    vocab = int(torch.randint(100, 5000, ()).item())
+    inputs = torch.randint(0, vocab, (3, 64))
+    labels = torch.randint(0, vocab, (3, 64))
+    labels[torch.rand(3, 64) < 0.2] = IGNORE_INDEX  # ignored positions are no token ids
+    check_token_ids(inputs, labels, vocab, "debugmodel", "./tok")
+
+    row, column = int(torch.randint(3, ())), int(torch.randint(64, ()))
+    bad_id = vocab + int(torch.randint(0, 1000, ()))
+    too_large = inputs.clone()
+    too_large[row, column] = bad_id
+    with pytest.raises(TokenIdError) as error:
+        check_token_ids(too_large, labels, vocab, "debugmodel", "./tok")
+    message = str(error.value)
+    assert f"input token id {bad_id}" in message and f"vocab_size = {vocab}" in message
+    assert "model.hf_assets_path = './tok'" in message and "model.flavor = 'debugmodel'" in message
+    negative = labels.clone()
+    negative[row, column] = -1
+    with pytest.raises(TokenIdError, match="label token id -1"):
+        check_token_ids(inputs, negative, vocab, "debugmodel", "./tok")
+
+
+def test_the_trainer_checks_every_batch_before_it_reaches_the_model():
+    from titan_gdn.data.vocab_check import TokenIdError
+    from titan_gdn.trainer import Qwen35Trainer
+
+    trainer = SimpleNamespace(
+        model_args=SimpleNamespace(vocab_size=2048),
+        job_config=SimpleNamespace(
+            model=SimpleNamespace(flavor="debugmodel", hf_assets_path="./assets/tokenizer")
+        ),
+    )
+    good = [({"input": torch.randint(0, 2048, (2, 8))}, torch.randint(0, 2048, (2, 8)))] * 2
+    bad = ({"input": torch.full((2, 8), 2048)}, torch.zeros(2, 8, dtype=torch.long))
+    checked = Qwen35Trainer._checked_token_ids(trainer, [*good, bad])
+    assert list(itertools.islice(checked, 2)) == good
+    with pytest.raises(TokenIdError, match="input token id 2048"):
+        next(checked)
+
+
+def _random_documents(rng: random.Random, count: int) -> list[str]:
+    words = "so shaken as we are so wan with care find we a time for frighted peace".split()
+    return [" ".join(rng.choices(words, k=rng.randint(1, 40))) for _ in range(count)]
+
+
+def _jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return path
+
+
+def _dataset(path: Path, infinite: bool, seq_len: int = 32):
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from titan_gdn.data import PackedDocumentDataset, build_document_source
+
+    tokenizer = HuggingFaceTokenizer(str(TOKENIZER))
+    source = build_document_source("jsonl", str(path))
+    return PackedDocumentDataset(source, tokenizer, seq_len=seq_len, infinite=infinite), tokenizer
+
+
+def _stream(dataset) -> list[int]:
+    return [t for inputs, labels in dataset for t in [*inputs["input"].tolist(), labels[-1].item()]]
+
+
+def test_empty_documents_are_skipped_not_trained_on(tmp_path):
+    rng = random.Random()
+    texts = _random_documents(rng, 30)
+    with_empty = list(texts)
+    for blank in ["", "   ", "\n\t", "", " "]:
+        with_empty.insert(rng.randint(0, len(with_empty)), blank)
+    dataset, tokenizer = _dataset(_jsonl(tmp_path / "docs.jsonl", with_empty), infinite=False)
+    stream = _stream(dataset)
+    expected = [t for text in texts for t in tokenizer.encode(text, add_bos=True, add_eos=True)]
+    row = 33
+    assert stream == expected[: len(expected) // row * row]
+    assert len(stream) >= row
+    # An empty document would have packed as BOS right before EOS.
+    pairs = set(zip(stream, stream[1:], strict=False))
+    assert (tokenizer.bos_id, tokenizer.eos_id) not in pairs
+
+
+def test_a_corpus_of_only_empty_documents_fails_instead_of_spinning(tmp_path):
+    dataset, _ = _dataset(_jsonl(tmp_path / "blank.jsonl", ["", " ", "\n"]), infinite=True)
+
+    def spinning(*_):
+        raise TimeoutError("the loader kept reading empty epochs")
+
+    previous = signal.signal(signal.SIGALRM, spinning)
+    signal.alarm(30)
+    try:
+        with pytest.raises(ValueError, match="has only empty documents for dp rank 0"):
+            next(iter(dataset))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_document_longer_than_a_row_is_split_and_a_row_without_eos_is_one_document(tmp_path):
+    from titan_gdn.model import DocumentBoundaries
+
+    rng = random.Random()
+    seq_len = 32
+    long_text = " ".join(_random_documents(rng, 40))
+    short = _random_documents(rng, 3)
+    dataset, tokenizer = _dataset(
+        _jsonl(tmp_path / "long.jsonl", [long_text, *short]), infinite=False, seq_len=seq_len
+    )
+    long_tokens = tokenizer.encode(long_text, add_bos=True, add_eos=True)
+    assert len(long_tokens) > 4 * (seq_len + 1)
+    rows = [torch.cat([inputs["input"], labels[-1:]]) for inputs, labels in dataset]
+    # Split, not truncated: consecutive rows continue the document token for token.
+    assert torch.cat(rows).tolist()[: len(long_tokens)] == long_tokens
+    inside = [row for row in rows[1:] if tokenizer.eos_id not in row.tolist()]
+    assert len(inside) >= 3
+    # A row inside the document has no EOS: it is one document, starting at the row start.
+    inputs = torch.stack([row[:-1] for row in inside])
+    docs = DocumentBoundaries.from_tokens(inputs, tokenizer.eos_id)
+    assert docs.cu_seqlens.tolist() == [i * seq_len for i in range(len(inside) + 1)]
+    assert torch.equal(docs.position_ids, torch.arange(seq_len).expand(len(inside), -1))
+
+
+# NaN / inf losses
+
+
+def test_nonfinite_loss_guard_decides_after_the_last_micro_batch():
+    from titan_gdn.loss_guard import NonFiniteLossError, NonFiniteLossGuard
+
+    parameter = torch.nn.Parameter(torch.randn(4))
+    guard = NonFiniteLossGuard(max_skips=0, last_checkpoint=lambda: Path("run/step-4"))
+    for step in (1, 2):
+        parameter.grad = torch.randn(4)
+        for loss in torch.randn(3):
+            guard.after_backward(step, loss, 3, lambda: [parameter])
+        assert parameter.grad is not None
+    bad = float(random.choice(["nan", "inf", "-inf"]))
+    guard.after_backward(3, torch.tensor(bad), 2, lambda: [parameter])  # first micro-batch
+    with pytest.raises(NonFiniteLossError) as error:
+        guard.after_backward(3, torch.tensor(1.0), 2, lambda: [parameter])
+    message = str(error.value)
+    assert message.startswith("Training stopped at step 3: the loss is NaN or infinite")
+    assert "The last complete checkpoint is run/step-4" in message
+    assert "training.skip_nonfinite_loss_steps = N (now 0)" in message
+
+
+def test_nan_steps_are_skipped_then_training_stops_naming_the_last_checkpoint(tmp_path):
+    """Rank 1 alone sees NaN losses; rank 0 (whose log this is) skips and stops with it."""
+    dump = tmp_path / "run"
+    run = _launch(
+        dump,
+        *FAULTS,
+        "--training.steps", "6",
+        "--training.skip_nonfinite_loss_steps", "1",
+        "--checkpoint.enable",
+        "--checkpoint.interval", "1",
+        "--checkpoint.no-last-save-model-only",
+        ngpu=2,
+        env={"TITAN_GDN_TEST_NAN_LOSS_STEPS": "2,4,5", "TITAN_GDN_TEST_NAN_LOSS_RANK": "1"},
+    )  # fmt: skip
+    assert run.code != 0, run.output[-6000:]
+    assert "Skipped step 2: NaN or infinite loss" in run.output
+    assert "Skipped step 4: NaN or infinite loss" in run.output
+    stop = (
+        "Training stopped at step 5: the loss is NaN or infinite (2 steps in a row), and this "
+        f"step was not applied. The last complete checkpoint is {dump}/checkpoint/step-4"
+    )
+    assert stop in run.output, run.output[-6000:]
+    assert sorted(run.steps) == [1, 2, 3, 4], run.steps
+    assert {step: run.steps[step][0] for step in (2, 4)} == {2: "nan", 4: "nan"}
+
+    from titan_gdn.validation import checkpoint_steps
+
+    assert checkpoint_steps(dump / "checkpoint") == ([1, 2, 3, 4], [])
+    state = {
+        step: _checkpoint(dump / "checkpoint" / f"step-{step}", tmp_path) for step in (1, 2, 3)
+    }
+    weights = {step: _tensors(s) for step, s in state.items()}
+    moments = {step: _tensors(s["optimizer"], only="state.") for step, s in state.items()}
+    assert weights[1].keys() == weights[2].keys() and len(weights[1]) > 10
+    assert moments[1].keys() == moments[2].keys() and len(moments[1]) > 10
+    # The skipped step 2 changed neither the weights nor the optimizer's moments and step
+    # counts; step 3 trained, and nothing went non-finite.
+    for before, after in ((weights[1], weights[2]), (moments[1], moments[2])):
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not all(torch.equal(weights[2][k], weights[3][k]) for k in weights[2])
+    assert all(torch.isfinite(w).all() for w in weights[3].values())
+
+
+def _tensors(state: dict, only: str = "") -> dict[str, torch.Tensor]:
+    return {
+        key: value
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor) and key.startswith(only)
+    }
+
+
+# A killed rank, an interrupted checkpoint write
+
+STEPS, INTERVAL = 6, 2
+RESUMABLE = (
+    "--training.steps", str(STEPS),
+    "--lr_scheduler.total_steps", str(STEPS),
+    "--checkpoint.enable",
+    "--checkpoint.interval", str(INTERVAL),
+    "--checkpoint.no-last-save-model-only",  # full state: optimizer, lr, data, step
+    "--metrics.enable_tensorboard",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The 2-process run the interrupted ones must reproduce: its steps and TensorBoard."""
+    dump = tmp_path_factory.mktemp("uninterrupted")
+    run = _launch(dump, *RESUMABLE, ngpu=2)
+    assert run.code == 0, run.output[-6000:]
+    assert sorted(run.steps) == list(range(1, STEPS + 1))
+    return run, _tensorboard(_tensorboard_files(dump))
+
+
+def _assert_resumed_like_uninterrupted(dump: Path, resumed: Run, earlier_files, reference):
+    run, reference_tb = reference
+    first = min(resumed.steps)
+    assert sorted(resumed.steps) == list(range(first, STEPS + 1))
+    assert resumed.steps == {step: run.steps[step] for step in resumed.steps}
+    resumed_tb = _tensorboard(_tensorboard_files(dump) - earlier_files)
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm", "documents_per_step", "lr"):
+        expected = {step: reference_tb[tag][step] for step in range(first, STEPS + 1)}
+        assert resumed_tb[tag] == expected, (tag, resumed_tb[tag], expected)
+
+
+def test_a_killed_rank_resumes_with_the_uninterrupted_losses_and_data(uninterrupted, tmp_path):
+    from titan_gdn.validation import checkpoint_steps
+
+    dump, killed = tmp_path / "run", []
+
+    def kill_rank_1_after_step_3(line: str, process) -> None:
+        if not killed and re.search(r"step:\s*3\s+loss", line):
+            pid = _rank_pid(process.pid, rank=1)
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    crashed = _launch(dump, *RESUMABLE, ngpu=2, on_line=kill_rank_1_after_step_3)
+    assert killed and crashed.code != 0, crashed.output[-6000:]
+    assert _killed_by_sigkill(crashed.output, pid=killed[0]), crashed.output[-6000:]
+    assert max(crashed.steps) < STEPS  # it died mid-run
+    # The steps before the kill were the uninterrupted ones.
+    assert crashed.steps == {step: uninterrupted[0].steps[step] for step in crashed.steps}
+    complete, _ = checkpoint_steps(dump / "checkpoint")
+    last = complete[-1]
+    assert last >= 2 and last % INTERVAL == 0, complete
+
+    earlier_files = _tensorboard_files(dump)
+    resumed = _launch(dump, *RESUMABLE, ngpu=2)
+    assert resumed.code == 0, resumed.output[-6000:]
+    assert f"Training starts at step {last + 1}" in resumed.output
+    assert min(resumed.steps) == last + 1
+    _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted)
+    # Every sample once: the loader stood exactly `last` batches in at the checkpoint it
+    # resumed from, and exactly STEPS batches in at the end, on both ranks.
+    for step in (last, STEPS):
+        _assert_data_consumed_exactly(
+            _checkpoint(dump / "checkpoint" / f"step-{step}", tmp_path), step, dp_world_size=2
+        )
+
+
+def test_a_checkpoint_interrupted_while_written_is_never_resumed_from(uninterrupted, tmp_path):
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    from titan_gdn.validation import checkpoint_steps
+
+    dump = tmp_path / "run"
+    crashed = _launch(
+        dump, *RESUMABLE, *FAULTS, ngpu=2, env={"TITAN_GDN_TEST_KILL_WHILE_SAVING": "4"}
+    )
+    assert crashed.code != 0 and _killed_by_sigkill(crashed.output), crashed.output[-6000:]
+    assert sorted(crashed.steps) == [1, 2, 3, 4]
+    folder = dump / "checkpoint"
+    # Both ranks wrote their data for step 4; the metadata that completes it never came.
+    assert sorted(p.name for p in (folder / "step-4").iterdir()) == ["__0_0.distcp", "__1_0.distcp"]
+    assert checkpoint_steps(folder) == ([2], [4])
+    assert CheckpointManager._find_load_step(SimpleNamespace(folder=str(folder))) == 2
+
+    earlier_files = _tensorboard_files(dump)
+    resumed = _launch(dump, *RESUMABLE, ngpu=2)
+    assert resumed.code == 0, resumed.output[-6000:]
+    assert "Ignoring checkpoint(s) step-4" in resumed.output
+    assert f"Loading the checkpoint from {folder}/step-2." in resumed.output
+    assert "Training starts at step 3" in resumed.output
+    _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted)
+    assert checkpoint_steps(folder) == ([2, 4, 6], [])  # step 4 written again, whole
