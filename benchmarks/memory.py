@@ -140,6 +140,8 @@ class Search:
                 f"({previous.get('options')}); use another --out or drop --resume"
             )
         self.data = previous or {"kind": "memory", "options": self.options, "trials": []}
+        # A failed trial (a timeout, a crash) is tried again; fits and OOMs are kept.
+        self.data["trials"] = [t for t in self.data["trials"] if t["status"] in ("ok", "oom")]
         command = records.command_line(MODULE, 1)
         commands = self.data.setdefault("commands", [])
         if command not in commands:
