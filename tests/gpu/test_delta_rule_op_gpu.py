@@ -1,0 +1,179 @@
+"""The FLA delta-rule op on CUDA against FLA's own autograd Function.
+
+Eager and compiled (inductor) calls of the op give FLA's outputs and gradients, its fake
+implementation agrees with the kernels (opcheck), its backward runs no FLA forward kernel, and
+a compiled model with selective op checkpointing trains like the eager model without
+checkpointing while the delta-rule forward runs once per layer. Needs a CUDA device: CI
+deselects it with ``-m "not gpu"``.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+
+from tests.conftest import relative_error
+from tests.gpu.test_delta_rule_gpu import random_inputs
+from titan_gdn.model import Qwen35Model, qwen3_5_args
+from titan_gdn.model.args import LINEAR_ATTENTION
+from titan_gdn.ops.delta_rule import fla_op, gated_delta_rule
+from titan_gdn.parallel.parallelize import parallelize_qwen3_5
+
+pytestmark = pytest.mark.gpu
+
+INPUT_NAMES = ("q", "k", "v", "g", "beta")
+MODEL_SEQ_LEN = 2048
+SIZES = pytest.mark.parametrize(
+    ("tokens", "documents", "key_heads", "value_heads", "head_dim"),
+    [(300, 5, 1, 2, 128), (8192, 17, 16, 32, 128)],
+    ids=["small", "qwen3.5-size"],
+)
+
+
+@pytest.fixture(autouse=True)
+def fla_triton_path(monkeypatch):
+    """FLA's public function on its Triton path, the one the op calls (not FlashQLA), with
+    the Hopper guard lift in place for both."""
+    monkeypatch.setenv("FLA_FLASH_QLA", "0")
+    fla_op.load_fla_kernels()
+
+
+class CountingKernels:
+    def __init__(self, kernels):
+        self.calls = {"forward": 0, "backward": 0}
+        self.kernels = kernels._replace(
+            forward=self._counted("forward", kernels.forward),
+            backward=self._counted("backward", kernels.backward),
+        )
+
+    def _counted(self, name, fn):
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def _padded(cu_seqlens, tokens):
+    """The fixed-capacity form the model passes: the end repeated up to tokens + 1 entries."""
+    padding = cu_seqlens[-1:].expand(tokens + 1 - len(cu_seqlens))
+    return torch.cat([cu_seqlens, padding])
+
+
+def _as_layer_passes_them(inputs):
+    """q, k, v as strided slices of one tensor, as the GDN layer passes the conv output."""
+    parts = [inputs[name].flatten(2) for name in ("q", "k", "v")]
+    qkv = torch.cat(parts, dim=-1)
+    slices = qkv.split([p.shape[-1] for p in parts], dim=-1)
+    return {
+        **inputs,
+        **{n: s.view_as(inputs[n]) for n, s in zip(("q", "k", "v"), slices, strict=True)},
+    }
+
+
+def _output_and_grads(fn, inputs, cu_seqlens):
+    leaves = [inputs[name].detach().requires_grad_() for name in INPUT_NAMES]
+    out = fn(*leaves, cu_seqlens)
+    grads = torch.autograd.grad((out.float() * inputs["grad_out"].float()).sum(), leaves)
+    return {"o": out, **{f"d{name}": grad for name, grad in zip(INPUT_NAMES, grads, strict=True)}}
+
+
+def _fla_function(q, k, v, g, beta, cu_seqlens):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    o, _ = chunk_gated_delta_rule(
+        q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens
+    )
+    return o
+
+
+def _op(q, k, v, g, beta, cu_seqlens):
+    return gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend="fla")
+
+
+@SIZES
+def test_op_eager_and_compiled_equal_fla(tokens, documents, key_heads, value_heads, head_dim):
+    inputs = _as_layer_passes_them(
+        random_inputs(tokens, tokens, documents, key_heads, value_heads, head_dim)
+    )
+    expected = _output_and_grads(_fla_function, inputs, inputs["cu_seqlens"])
+    padded = _padded(inputs["cu_seqlens"], tokens)
+    compiled = torch.compile(_op, fullgraph=True)
+    for label, fn in (("eager", _op), ("compiled", compiled)):
+        actual = _output_and_grads(fn, inputs, padded)
+        errors = {name: relative_error(actual[name], value) for name, value in expected.items()}
+        print(f"op {label} vs FLA: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+        # The same kernels on the same inputs: only a different autotuned config could differ.
+        assert all(error <= 1e-3 for error in errors.values()), (label, errors)
+        assert all(actual[name].dtype == value.dtype for name, value in expected.items())
+
+
+def test_op_passes_opcheck():
+    inputs = random_inputs(300, 300, 5, 1, 2, 128)
+    tensors = [inputs[name].detach().requires_grad_() for name in INPUT_NAMES]
+    args = (*tensors, _padded(inputs["cu_seqlens"], 300), 128**-0.5)
+    torch.library.opcheck(torch.ops.titan_gdn.gated_delta_rule_fla, args)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_backward_runs_no_forward_kernel(monkeypatch, compiled):
+    counting = CountingKernels(fla_op.load_fla_kernels())
+    monkeypatch.setattr(fla_op, "load_fla_kernels", lambda: counting.kernels)
+    inputs = random_inputs(300, 300, 5, 1, 2, 128)
+    fn = torch.compile(_op, fullgraph=True) if compiled else _op
+    _output_and_grads(fn, inputs, inputs["cu_seqlens"])
+    assert counting.calls == {"forward": 1, "backward": 1}
+
+
+def _model_step(model, tokens):
+    inputs = tokens[:, :-1]
+    docs = model.get_attention_masks(inputs, type("T", (), {"eos_id": 0}), None)
+    logits = model(inputs, attention_masks=docs)
+    F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        grads[name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")] = (
+            param.grad
+        )
+    return logits, grads
+
+
+@pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
+def test_selective_checkpointing_keeps_the_kernel_outputs(monkeypatch, compile_model):
+    """fp32 debug model with FLA and flex: selective op AC (inductor when compiled) vs eager
+    without AC."""
+    torch.manual_seed(0)
+    reference = Qwen35Model(copy.deepcopy(qwen3_5_args["debugmodel"])).cuda()
+    reference.init_weights()
+    model = copy.deepcopy(reference)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(1, 2048, (2, MODEL_SEQ_LEN + 1), generator=gen)
+    tokens[:, torch.randint(0, MODEL_SEQ_LEN, (12,), generator=gen)] = 0
+    tokens = tokens.cuda()
+    ref_logits, ref_grads = _model_step(reference, tokens)
+
+    job = JobConfig()
+    job.activation_checkpoint.mode = "selective"
+    job.activation_checkpoint.selective_ac_option = "op"
+    job.compile.enable, job.compile.components = compile_model, ["model"]
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    torch._dynamo.reset()
+    model = parallelize_qwen3_5(model, dims, job)
+    counting = CountingKernels(fla_op.load_fla_kernels())
+    monkeypatch.setattr(fla_op, "load_fla_kernels", lambda: counting.kernels)
+    logits, grads = _model_step(model, tokens)
+
+    gdn_layers = qwen3_5_args["debugmodel"].layer_types.count(LINEAR_ATTENTION)
+    assert counting.calls == {"forward": gdn_layers, "backward": gdn_layers}
+    errors = {name: relative_error(grad, ref_grads[name]) for name, grad in grads.items()}
+    worst = max(errors, key=errors.get)
+    logits_error = relative_error(logits, ref_logits)
+    print(
+        f"selective AC ({'compiled' if compile_model else 'eager'}) vs eager without AC: "
+        f"logits {logits_error:.1e}, worst grad {worst} {errors[worst]:.1e}"
+    )
+    # fp32 around FLA's kernels, which multiply in TF32: far below what a wrong gradient gives.
+    assert logits_error <= 1e-2 and errors[worst] <= 1e-2

@@ -1,0 +1,190 @@
+"""Activation checkpointing of the hybrid blocks.
+
+Full and selective (per layer, per op) checkpointing give the gradients of no checkpointing
+(fp32): eager on one process; eager and compiled (aot_eager) with cp=2; eager and compiled on
+the FLA delta-rule op (its kernels replaced by CPU stand-ins). Selective per-op checkpointing
+keeps what is costly to recompute: in backward the delta-rule forward kernel, attention and
+the CP head redistribution do not run again, while with full checkpointing they do (counted
+calls of the stand-in kernel, and of dispatcher ops).
+"""
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._prims.rng_prims import run_with_rng_state
+from torch.utils._python_dispatch import TorchDispatchMode
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+
+from tests.conftest import perturb_norms_and_gates, relative_error
+from tests.distributed import run_on_ranks
+from tests.fla_stand_in import FlaStandIn
+from titan_gdn.model import DocumentBoundaries, Qwen35Model, qwen3_5_args
+from titan_gdn.model.args import FULL_ATTENTION, LINEAR_ATTENTION
+from titan_gdn.ops import delta_rule
+from titan_gdn.ops.delta_rule import fla_op
+from titan_gdn.parallel.parallelize import parallelize_qwen3_5
+
+EOS = 0
+ROWS, SEQ_LEN = 2, 32
+# name: (mode, selective_ac_option)
+AC_MODES = {
+    "full": ("full", "op"),
+    "selective op": ("selective", "op"),
+    "selective every 2nd layer": ("selective", "2"),
+}
+ATTENTION_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+# Head redistribution under CP: all-to-all, or on gloo all-gather (gloo has no all-to-all).
+HEAD_COLLECTIVES = (
+    torch.ops._c10d_functional.all_to_all_single.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+)
+
+
+def _model() -> Qwen35Model:
+    torch.manual_seed(0)
+    model = Qwen35Model(copy.deepcopy(qwen3_5_args["debugmodel"]))
+    model.init_weights()
+    perturb_norms_and_gates(model)
+    return model
+
+
+def _batch() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(1, 2048, (ROWS, SEQ_LEN + 1), generator=gen)
+    tokens[0, [0, 5, 6, 20]] = EOS
+    tokens[1, [13, 15]] = EOS
+    return tokens
+
+
+def _job_config(ac: str | None, compile_model: bool) -> JobConfig:
+    job = JobConfig()
+    job.activation_checkpoint.mode, job.activation_checkpoint.selective_ac_option = (
+        AC_MODES[ac] if ac else ("none", "op")
+    )
+    job.training.mixed_precision_param = "float32"
+    job.compile.enable = compile_model
+    job.compile.components = ["model"]
+    job.compile.backend = "aot_eager"
+    return job
+
+
+def _parallel_dims(cp: int) -> ParallelDims:
+    return ParallelDims(dp_replicate=1, dp_shard=1, cp=cp, tp=1, pp=1, ep=1, etp=1, world_size=cp)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops that reach the dispatcher while it is active."""
+
+    supports_higher_order_operators = True  # compiled backward may wrap ops in them
+
+    def __init__(self):
+        super().__init__()
+        self.calls = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Compiled backward recomputes ops that could be random with their forward RNG state,
+        # as run_with_rng_state(state, op, *args): count the op.
+        self.calls[args[1] if func is run_with_rng_state else func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _train_step(model, dims, tokens=slice(None)):
+    """Loss of one packed batch (this rank's tokens of it) and its backward.
+
+    Returns the gradients by parameter name (as in the unwrapped model) and the ops that ran
+    in backward.
+    """
+    batch = _batch()
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    docs = DocumentBoundaries.from_tokens(inputs, EOS)
+    logits = model(inputs[:, tokens], attention_masks=docs)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels[:, tokens].flatten(), reduction="sum")
+    with OpCounter() as backward_ops:
+        (loss / labels.numel()).backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if dims.fsdp_enabled else param.grad
+        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        grads[name] = grad
+    return grads, backward_ops.calls
+
+
+def _checkpointed(ac, compile_model, dims):
+    torch._dynamo.reset()  # a fresh cache per model: no recompile limit across cases
+    return parallelize_qwen3_5(_model(), dims, _job_config(ac, compile_model))
+
+
+def _assert_same_grads(grads, reference, tolerance, label):
+    for name, grad in grads.items():
+        error = relative_error(grad, reference[name])
+        assert error <= tolerance, f"{label}, {name}: {error:.2e}"
+
+
+@pytest.mark.parametrize("ac", list(AC_MODES))
+def test_checkpointing_keeps_the_gradients(ac):
+    dims = _parallel_dims(1)
+    reference, _ = _train_step(_model(), dims)
+    grads, _ = _train_step(_checkpointed(ac, False, dims), dims)
+    _assert_same_grads(grads, reference, 1e-6, ac)
+
+
+def _check_context_parallel(rank, world_size):
+    dims = _parallel_dims(world_size)
+    dims.build_mesh()
+    shard = SEQ_LEN // world_size
+    tokens = slice(rank * shard, (rank + 1) * shard)
+    reference, _ = _train_step(_model(), _parallel_dims(1))
+    _, ops = _train_step(_checkpointed(None, False, dims), dims, tokens)
+    plain_collectives = _collectives(ops)
+    # Compiled per-layer mode is left out (it is full or nothing per block): compiles are slow.
+    cases = [(ac, False) for ac in AC_MODES] + [("full", True), ("selective op", True)]
+    for ac, compile_model in cases:
+        grads, ops = _train_step(_checkpointed(ac, compile_model, dims), dims, tokens)
+        label = f"cp={world_size} {ac} {compile_model=}"
+        _assert_same_grads(grads, reference, 1e-5, label)
+        if ac == "selective op":
+            # The forward's head redistributions are kept, not sent again.
+            assert _collectives(ops) == plain_collectives, label
+        if ac == "full":
+            assert _collectives(ops) == 2 * plain_collectives, label
+
+
+def _collectives(ops: Counter) -> int:
+    return sum(ops[op] for op in HEAD_COLLECTIVES)
+
+
+def test_checkpointing_with_context_parallel_keeps_the_gradients():
+    run_on_ranks(2, _check_context_parallel)
+
+
+@pytest.fixture
+def fla_stand_in(monkeypatch):
+    """The model's delta rule runs through the FLA op, on the CPU stand-in for FLA's kernels."""
+    stand_in = FlaStandIn()
+    monkeypatch.setattr(fla_op, "load_fla_kernels", stand_in.kernels)
+    monkeypatch.setattr(delta_rule, "resolve_delta_rule_backend", lambda device, name: "fla")
+    return stand_in
+
+
+@pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
+def test_selective_op_checkpointing_does_not_rerun_the_kernels(fla_stand_in, compile_model):
+    """On the FLA op (CPU stand-in kernels): the gradients of no checkpointing, and forward
+    kernels run again in backward only with full checkpointing."""
+    dims = _parallel_dims(1)
+    layer_types = Counter(qwen3_5_args["debugmodel"].layer_types)
+    reference, _ = _train_step(_model(), dims)
+    reruns = {}
+    for ac in ("selective op", "full"):
+        model = _checkpointed(ac, compile_model, dims)
+        fla_stand_in.forward_calls = 0
+        grads, ops = _train_step(model, dims)
+        # Forward ran the kernel once per GDN layer; backward may have run it again.
+        delta_rule_reruns = fla_stand_in.forward_calls - layer_types[LINEAR_ATTENTION]
+        reruns[ac] = (delta_rule_reruns, ops[ATTENTION_FORWARD])
+        _assert_same_grads(grads, reference, 1e-6, f"{ac} {compile_model=}")
+    assert reruns["selective op"] == (0, 0), reruns
+    assert reruns["full"] == (layer_types[LINEAR_ATTENTION], layer_types[FULL_ATTENTION]), reruns
