@@ -3,6 +3,7 @@
 from collections.abc import Iterator
 from dataclasses import asdict
 
+import torch
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config import JobConfig
@@ -11,6 +12,7 @@ from torchtitan.tools.logging import logger
 from titan_gdn.data.documents import build_document_source
 from titan_gdn.data.packing import PackedDocumentDataset, documents_per_row
 from titan_gdn.metrics import TRAINING_DOCUMENTS, DocumentTally
+from titan_gdn.model.documents import DocumentBoundaries
 
 
 class DocumentCountingDataloader(ParallelAwareDataloader):
@@ -25,8 +27,20 @@ class DocumentCountingDataloader(ParallelAwareDataloader):
     def __iter__(self) -> Iterator:
         for batch in super().__iter__():
             input_dict, _ = batch
-            self.tally.add(documents_per_row(input_dict["input"], self.eos_id))
+            tokens = input_dict["input"]
+            self.tally.add(
+                documents_per_row(tokens, self.eos_id),
+                tokens=tokens.numel(),
+                causal_pairs=causal_pairs(tokens, self.eos_id),
+            )
             yield batch
+
+
+def causal_pairs(input_ids: torch.Tensor, eos_id: int) -> int:
+    """Causal (query, key) pairs within the documents of packed rows: a token at position p of
+    its document attends to p + 1 tokens."""
+    positions = DocumentBoundaries.from_tokens(input_ids, eos_id).position_ids
+    return int((positions + 1).sum())
 
 
 def build_packed_dataloader(

@@ -1,33 +1,67 @@
-"""Parameter and FLOP counts for MFU, right for both mixer kinds."""
+"""Parameter and FLOP counts for MFU, following the work the kernels do on packed documents.
+
+Per trained token, forward + backward (backward does twice the forward's matmul work, so
+every forward count is multiplied by 3):
+- matmuls: 2 FLOPs per weight that multiplies every token (all parameters but the embedding
+  lookup; a tied output head counted once). Norm weights, `A_log` and `dt_bias` are counted as
+  if they were matmul weights: < 0.01% of the total.
+- attention: QK^T and PV over the causal pairs (query, key) of each document, 4 * n_heads *
+  head_dim FLOPs per pair and layer. Flex attention skips the blocks the document mask
+  removes, so packed short documents cost far less than a T x T square.
+- delta rule, per value head, FLA's chunked form with chunk C = 64: the state read, state
+  update and output read (3 x 2 * Dk * Dv) and the in-chunk products (K K^T, the WY transforms
+  of k and v, Q K^T, the in-chunk output: 2 * C * (3 * Dk + 2 * Dv)). The in-chunk triangular
+  solve and the element-wise work are left out.
+
+torchtitan asks for FLOPs per token at a sequence length only (`get_nparams_and_flops`), with
+no documents: that count assumes one causal document per row. The metrics processor
+(`titan_gdn.metrics`) replaces its attention term at every log with the one of the documents
+actually trained on.
+"""
 
 from __future__ import annotations
 
 from torch import nn
 
-from titan_gdn.model.args import LINEAR_ATTENTION
+from titan_gdn.model.args import FULL_ATTENTION, LINEAR_ATTENTION
+
+DELTA_RULE_CHUNK = 64
+FORWARD_AND_BACKWARD = 3
 
 
 def count_params_and_flops(args, model: nn.Module, seq_len: int) -> tuple[int, int]:
-    """(trainable parameters, training FLOPs per token) at `seq_len` tokens per document.
-
-    Matmuls with weights cost 6 FLOPs per parameter per token (forward + backward). On top:
-    attention scores and values, 4 * H * D * seq_len per token forward (the causal half is not
-    discounted, as torchtitan counts it), and the chunked delta rule, whose work per token is
-    linear in the sequence: per value head about 4 * Dk * Dv (state read/update) plus
-    2 * chunk * (Dk + Dv) (intra-chunk attention), forward; backward costs about 2x forward.
-    """
+    """(parameters, training FLOPs per token) for rows that are one document of `seq_len`."""
     nparams = sum(p.numel() for p in model.parameters())
     embedding = model.tok_embeddings.weight.numel()
     # The embedding lookup is no matmul; the output projection is one, also when it is tied
     # (then its weight is counted once in `nparams`, as the embedding).
     matmul_params = nparams if args.enable_weight_tying else nparams - embedding
-    chunk = 64
-    per_token = 6 * matmul_params
-    for layer_type in args.layer_types:
-        if layer_type == LINEAR_ATTENTION:
-            dk, dv = args.linear_key_head_dim, args.linear_value_head_dim
-            forward = args.linear_num_value_heads * (4 * dk * dv + 2 * chunk * (dk + dv))
-        else:
-            forward = 4 * args.n_heads * args.head_dim * seq_len
-        per_token += 3 * forward
-    return nparams, per_token
+    per_token = (
+        FORWARD_AND_BACKWARD * 2 * matmul_params
+        + delta_rule_flops_per_token(args)
+        + attention_flops_per_token(args, one_document_pairs_per_token(seq_len))
+    )
+    return nparams, round(per_token)
+
+
+def one_document_pairs_per_token(seq_len: int) -> float:
+    """Causal (query, key) pairs per token of one document of `seq_len` tokens."""
+    return (seq_len + 1) / 2
+
+
+def attention_flops_per_token(args, pairs_per_token: float) -> float:
+    """Training FLOPs per token of all attention layers, given the causal pairs per token."""
+    layers = args.layer_types.count(FULL_ATTENTION)
+    return FORWARD_AND_BACKWARD * 4 * args.n_heads * args.head_dim * pairs_per_token * layers
+
+
+def delta_rule_flops_per_token(args) -> float:
+    """Training FLOPs per token of all Gated DeltaNet layers' chunked delta rule."""
+    layers = args.layer_types.count(LINEAR_ATTENTION)
+    per_head = delta_rule_forward_per_head(args.linear_key_head_dim, args.linear_value_head_dim)
+    return FORWARD_AND_BACKWARD * args.linear_num_value_heads * per_head * layers
+
+
+def delta_rule_forward_per_head(dk: int, dv: int, chunk: int = DELTA_RULE_CHUNK) -> int:
+    """Forward FLOPs per token and value head of the chunked gated delta rule."""
+    return 3 * 2 * dk * dv + 2 * chunk * (3 * dk + 2 * dv)

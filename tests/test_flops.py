@@ -1,0 +1,55 @@
+"""The FLOP count behind MFU: attention follows the documents actually trained on."""
+
+import torch
+
+from titan_gdn.data.loader import causal_pairs
+from titan_gdn.metrics import DocumentTally, Qwen35MetricsProcessor
+from titan_gdn.model import Qwen35Model, qwen3_5_args
+from titan_gdn.model.flops import attention_flops_per_token, count_params_and_flops
+
+EOS = 0
+
+
+def _document_causal_mask_pairs(tokens: torch.Tensor) -> int:
+    """Allowed (query, key) pairs of the document-causal mask, built independently."""
+    total = 0
+    for row in tokens:
+        ends = (row == EOS).nonzero().flatten() + 1
+        lengths = torch.diff(torch.cat([torch.tensor([0]), ends, torch.tensor([len(row)])]))
+        document = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        same = document[:, None] == document[None, :]
+        total += int((same & torch.ones_like(same).tril()).sum())
+    return total
+
+
+def test_causal_pairs_count_the_document_causal_mask():
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    tokens = torch.randint(1, 50, (3, 257), generator=gen)
+    tokens[torch.rand(tokens.shape, generator=gen) < 0.05] = EOS
+    tokens[1, -1] = EOS  # a row ending on EOS
+    tokens[2, 0] = EOS  # a one-token document
+    assert causal_pairs(tokens, EOS) == _document_causal_mask_pairs(tokens)
+
+
+def test_mfu_uses_the_attention_of_the_trained_documents():
+    args = qwen3_5_args["debugmodel"]
+    with torch.device("meta"):
+        model = Qwen35Model(args)
+    seq_len = 512
+    _, trainer_count = count_params_and_flops(args, model, seq_len)
+    processor = Qwen35MetricsProcessor.__new__(Qwen35MetricsProcessor)
+    processor.model_args, processor.seq_len = args, seq_len
+    processor.num_flops_per_token = trainer_count
+
+    whole_rows = DocumentTally()
+    whole_rows.add(2, tokens=2 * seq_len, causal_pairs=2 * seq_len * (seq_len + 1) // 2)
+    assert processor._documents_flops_per_token(whole_rows) == trainer_count
+
+    lengths = [1, 100, 411]  # one row of three documents
+    packed = DocumentTally()
+    packed.add(3, tokens=seq_len, causal_pairs=sum(n * (n + 1) // 2 for n in lengths))
+    saved = attention_flops_per_token(args, (seq_len + 1) / 2) - attention_flops_per_token(
+        args, packed.causal_pairs / seq_len
+    )
+    assert saved > 0
+    assert processor._documents_flops_per_token(packed) == trainer_count - saved
