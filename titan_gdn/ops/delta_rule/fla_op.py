@@ -76,7 +76,7 @@ def gated_delta_rule_fla(
     fla = load_fla_kernels()
     # FLA types cu_seqlens as LongTensor, but every kernel casts what it loads, and int32 is
     # what FLA's own layers pass. No .long(): the trimmed tensor is then the same object
-    # across layers and in backward, so FLA's identity-keyed cache of chunk indices hits.
+    # across layers, so FLA's identity-keyed cache of chunk indices hits.
     cu_seqlens = cached_without_empty_tail()(cu_seqlens)
     q, k, g, beta = (x.contiguous() for x in (q, k, g, beta))
     # A fresh copy even when v is contiguous: a residual must not alias an input. In the GDN
