@@ -64,7 +64,7 @@ def transformers_reference(
 
 
 def _transformers_model(model_args, rt: Runtime, checkpointing: bool):
-    modeling = _transformers_modeling(rt.cuda)
+    modeling = transformers_qwen3_5_module(torch_path=not rt.cuda)
     from transformers import Qwen3_5TextConfig
 
     fields = model_args.to_hf_config()
@@ -92,8 +92,9 @@ def _transformers_model(model_args, rt: Runtime, checkpointing: bool):
     return model
 
 
-def _transformers_modeling(cuda: bool):
-    if cuda:
+def transformers_qwen3_5_module(torch_path: bool):
+    """transformers' Qwen3.5 modeling module; with `torch_path`, imported with FLA hidden."""
+    if not torch_path:
         from transformers.models.qwen3_5 import modeling_qwen3_5
 
         return modeling_qwen3_5

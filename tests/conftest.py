@@ -1,4 +1,4 @@
-import sys
+import copy
 
 import pytest
 import torch
@@ -19,20 +19,20 @@ def perturb_norms_and_gates(model: torch.nn.Module, scale: float = 0.3) -> None:
                 param.add_(scale * torch.randn_like(param))
 
 
+def perturbed_debug_model():
+    """The debug flavor, initialised from seed 0, with norms and gates moved off their init."""
+    from titan_gdn.model import Qwen35Model, qwen3_5_args
+
+    torch.manual_seed(0)
+    model = Qwen35Model(copy.deepcopy(qwen3_5_args["debugmodel"]))
+    model.init_weights()
+    perturb_norms_and_gates(model)
+    return model
+
+
 @pytest.fixture(scope="session")
 def hf_qwen3_5():
     """transformers' Qwen3.5 module on its pure-torch path (FLA hidden while it is imported)."""
-    saved = {
-        name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "fla"
-    }
-    # The kernel choice is made when the module is imported: import it afresh with FLA hidden.
-    for name in [n for n in sys.modules if n.startswith("transformers.models.qwen3_5")]:
-        del sys.modules[name]
-    sys.modules["fla"] = None
-    try:
-        from transformers.models.qwen3_5 import modeling_qwen3_5
+    from benchmarks.references import transformers_qwen3_5_module
 
-        return modeling_qwen3_5
-    finally:
-        del sys.modules["fla"]
-        sys.modules.update(saved)
+    return transformers_qwen3_5_module(torch_path=True)

@@ -8,7 +8,6 @@ the CP head redistribution do not run again, while with full checkpointing they 
 calls of the stand-in kernel, and of dispatcher ops).
 """
 
-import copy
 from collections import Counter
 
 import pytest
@@ -19,10 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 
-from tests.conftest import perturb_norms_and_gates, relative_error
+from tests.conftest import perturbed_debug_model, relative_error
 from tests.distributed import run_on_ranks
 from tests.fla_stand_in import FlaStandIn
-from titan_gdn.model import DocumentBoundaries, Qwen35Model, qwen3_5_args
+from titan_gdn.model import DocumentBoundaries, qwen3_5_args
 from titan_gdn.model.args import FULL_ATTENTION, LINEAR_ATTENTION
 from titan_gdn.ops import delta_rule
 from titan_gdn.ops.delta_rule import fla_op
@@ -42,14 +41,6 @@ HEAD_COLLECTIVES = (
     torch.ops._c10d_functional.all_to_all_single.default,
     torch.ops._c10d_functional.all_gather_into_tensor.default,
 )
-
-
-def _model() -> Qwen35Model:
-    torch.manual_seed(0)
-    model = Qwen35Model(copy.deepcopy(qwen3_5_args["debugmodel"]))
-    model.init_weights()
-    perturb_norms_and_gates(model)
-    return model
 
 
 def _batch() -> torch.Tensor:
@@ -115,7 +106,7 @@ def _train_step(model, dims, tokens=slice(None)):
 
 def _checkpointed(ac, compile_model, dims):
     torch._dynamo.reset()  # a fresh cache per model: no recompile limit across cases
-    return parallelize_qwen3_5(_model(), dims, _job_config(ac, compile_model))
+    return parallelize_qwen3_5(perturbed_debug_model(), dims, _job_config(ac, compile_model))
 
 
 def _assert_same_grads(grads, reference, tolerance, label):
@@ -127,7 +118,7 @@ def _assert_same_grads(grads, reference, tolerance, label):
 @pytest.mark.parametrize("ac", list(AC_MODES))
 def test_checkpointing_keeps_the_gradients(ac):
     dims = _parallel_dims(1)
-    reference, _ = _train_step(_model(), dims)
+    reference, _ = _train_step(perturbed_debug_model(), dims)
     grads, _ = _train_step(_checkpointed(ac, False, dims), dims)
     _assert_same_grads(grads, reference, 1e-6, ac)
 
@@ -137,7 +128,7 @@ def _check_context_parallel(rank, world_size):
     dims.build_mesh()
     shard = SEQ_LEN // world_size
     tokens = slice(rank * shard, (rank + 1) * shard)
-    reference, _ = _train_step(_model(), _parallel_dims(1))
+    reference, _ = _train_step(perturbed_debug_model(), _parallel_dims(1))
     _, ops = _train_step(_checkpointed(None, False, dims), dims, tokens)
     plain_collectives = _collectives(ops)
     # Compiled per-layer mode is left out (it is full or nothing per block): compiles are slow.
@@ -176,7 +167,7 @@ def test_selective_op_checkpointing_does_not_rerun_the_kernels(fla_stand_in, com
     kernels run again in backward only with full checkpointing."""
     dims = _parallel_dims(1)
     layer_types = Counter(qwen3_5_args["debugmodel"].layer_types)
-    reference, _ = _train_step(_model(), dims)
+    reference, _ = _train_step(perturbed_debug_model(), dims)
     reruns = {}
     for ac in ("selective op", "full"):
         model = _checkpointed(ac, compile_model, dims)

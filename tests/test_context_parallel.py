@@ -8,23 +8,15 @@ import torch.nn.functional as F
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 
-from tests.conftest import perturb_norms_and_gates, relative_error
+from tests.conftest import perturbed_debug_model, relative_error
 from tests.distributed import run_on_ranks
-from titan_gdn.model import DocumentBoundaries, Qwen35Model, qwen3_5_args
+from titan_gdn.model import DocumentBoundaries, qwen3_5_args
 from titan_gdn.model.args import job_config_problems
 from titan_gdn.parallel.context_parallel import context_parallel_problems
 from titan_gdn.parallel.parallelize import parallelize_qwen3_5
 
 EOS = 0
 SEQ_LEN = 192
-
-
-def _model() -> Qwen35Model:
-    torch.manual_seed(0)
-    model = Qwen35Model(copy.deepcopy(qwen3_5_args["debugmodel"]))
-    model.init_weights()
-    perturb_norms_and_gates(model)
-    return model
 
 
 def _global_batch(rows: int) -> torch.Tensor:
@@ -44,7 +36,7 @@ def _job_config() -> JobConfig:
 
 
 def _check_cp_matches_single_process(rank, world_size, dp_shard, cp):
-    reference = _model()
+    reference = perturbed_debug_model()
     model = copy.deepcopy(reference)
     dims = ParallelDims(
         dp_replicate=1, dp_shard=dp_shard, cp=cp, tp=1, pp=1, ep=1, etp=1, world_size=world_size
