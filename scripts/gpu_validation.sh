@@ -5,6 +5,7 @@
 #   scripts/gpu_validation.sh all              # everything below, in order
 #   scripts/gpu_validation.sh seed cp2 summary # single steps: gpu_tests seed cp1 cp2 fsdp debug
 #                                              #   eager16k compiled16k long08b long2b (GPU=<index>)
+#   CACHE_ARCHIVE=dir scripts/gpu_validation.sh restore_caches ... save_caches
 # The seed checkpoint is deterministic (CPU init from debug.seed), so runs made on different
 # machines from their own seed start from the same weights.
 set -uo pipefail
@@ -12,6 +13,13 @@ cd "$(dirname "$0")/.."
 RESULTS=${RESULTS:-./outputs/gpu_validation}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 LOG_RANK=0
+# Compile caches: Triton kernels with their autotuning choices, Inductor graphs. A fresh machine
+# spends minutes per process rebuilding them; `save_caches` packs them into $CACHE_ARCHIVE (15 MB
+# parts) after a run, `restore_caches` unpacks them first thing on the next machine of the same
+# kind (same GPU, driver and image).
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}
+CACHE_ARCHIVE=${CACHE_ARCHIVE:-./outputs/compile_caches}
 
 SEQ_CP=${SEQ_CP:-32768}
 STEPS_CP=${STEPS_CP:-50}
@@ -85,6 +93,17 @@ debug() {
 all() {  # the order of one session's runs: tests on GPU 1 while GPU 0 makes the seed
     TEST_GPU=1 gpu_tests & seed; wait
     cp1; cp2; fsdp; debug
+}
+
+save_caches() {
+    mkdir -p "$CACHE_ARCHIVE" && rm -f "$CACHE_ARCHIVE"/compile_caches.tgz.part-*
+    tar -czf - -C / "${TRITON_CACHE_DIR#/}" "${TORCHINDUCTOR_CACHE_DIR#/}" 2>/dev/null |
+        split -b 15M - "$CACHE_ARCHIVE/compile_caches.tgz.part-"
+    du -sh "$CACHE_ARCHIVE"
+}
+
+restore_caches() {
+    cat "$CACHE_ARCHIVE"/compile_caches.tgz.part-* | tar -xzf - -C / && echo "caches restored"
 }
 
 summary() {
