@@ -35,8 +35,21 @@ def _job_config() -> JobConfig:
     return job
 
 
-def _check_cp_matches_single_process(rank, world_size, dp_shard, cp):
-    reference = perturbed_debug_model()
+# Heads for CP degrees up to 8: 8 key / 16 value GDN heads, 8 attention heads over 2 KV heads
+# (each KV head repeated to 4 ranks at cp=8); narrow heads keep 16 CPU processes affordable.
+WIDE_HEADS = dict(
+    linear_num_key_heads=8,
+    linear_num_value_heads=16,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    n_heads=8,
+    n_kv_heads=2,
+    head_dim=32,
+)
+
+
+def _check_cp_matches_single_process(rank, world_size, dp_shard, cp, heads=None):
+    reference = perturbed_debug_model(**(heads or {}))
     model = copy.deepcopy(reference)
     dims = ParallelDims(
         dp_replicate=1, dp_shard=dp_shard, cp=cp, tp=1, pp=1, ep=1, etp=1, world_size=world_size
@@ -73,6 +86,12 @@ def _check_cp_matches_single_process(rank, world_size, dp_shard, cp):
 @pytest.mark.parametrize("dp_shard, cp", [(1, 2), (1, 4), (2, 2)])
 def test_context_parallel_equals_single_process(dp_shard, cp):
     run_on_ranks(dp_shard * cp, _check_cp_matches_single_process, dp_shard, cp)
+
+
+@pytest.mark.parametrize("dp_shard, cp", [(2, 4), (2, 8)])
+def test_fsdp_with_wide_context_parallel_equals_single_process(dp_shard, cp):
+    """The 8-GPU layouts (FSDP x CP), on CPU processes: more heads, so cp=8 divides them."""
+    run_on_ranks(dp_shard * cp, _check_cp_matches_single_process, dp_shard, cp, WIDE_HEADS)
 
 
 def test_bad_degrees_name_the_setting():
