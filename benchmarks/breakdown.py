@@ -15,8 +15,9 @@ backward node carries the sequence number of the forward op that made it, which 
 from __future__ import annotations
 
 import contextlib
+import re
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from torch.autograd import DeviceType
 from torch.autograd.profiler import record_function
@@ -250,11 +251,42 @@ def _is_collective(name: str) -> bool:
 
 
 def _kernel_samples(events, cpu_ops):
-    by_id = {e.id: e for e in cpu_ops}
-    for e in events:
-        if e.device_type == DeviceType.CUDA:
-            op = by_id.get(getattr(e, "linked_correlation_id", 0))
-            yield e.name, op, e.time_range.elapsed_us()
+    """(name, launching op, us) for each kernel, copy and memset on the device."""
+    # A device event's `linked_correlation_id` is the `id` of the op that launched it, but the
+    # CUDA API calls among the CPU events have ids from CUPTI's own count, which collide with
+    # the ops' (and torch 2.11 keeps no such link on the event): read torch's own association,
+    # each op's `kernels`.
+    attached: Counter = Counter()
+    for op in cpu_ops:
+        if _launches_kernels(op):
+            for kernel in op.kernels:
+                attached[kernel.name, kernel.duration] += 1
+                yield kernel.name, op, kernel.duration
+    # Work launched outside any op is in no list; the lists name no event, so what is left
+    # over is told by name and duration. It counts by its name alone.
+    for e in _device_work(events):
+        us = e.time_range.elapsed_us()
+        if attached[e.name, us]:
+            attached[e.name, us] -= 1
+        else:
+            yield e.name, None, us
+
+
+# CUDA runtime and driver calls (cudaLaunchKernel, cuLaunchKernelEx, cudaStreamWaitEvent).
+_CUDA_API = re.compile(r"cu(da)?[A-Z]")
+
+
+def _launches_kernels(op) -> bool:
+    # Torch links nothing to async ops. A legacy op's one kernel is its own CUDA time, its
+    # children's included. Kernels link to the ops inside a profiler range, never to the range,
+    # whose list can only hold its own span on the device. And torch also fills the list of a
+    # CUDA call that it links to no op, with the kernels of the op whose id the call's id equals.
+    return not (op.is_async or op.is_legacy or op.is_user_annotation or _CUDA_API.match(op.name))
+
+
+def _device_work(events):
+    # A profiler range's span on the device runs from its first kernel to its last, gaps too.
+    return [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
 
 
 def _self_time_samples(cpu_ops):
@@ -263,9 +295,7 @@ def _self_time_samples(cpu_ops):
 
 
 def _union_us(events) -> float:
-    intervals = sorted(
-        (e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA
-    )
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in _device_work(events))
     total, end = 0.0, float("-inf")
     for start, stop in intervals:
         if stop > end:

@@ -169,8 +169,7 @@ def test_kernels_are_attributed_to_the_op_that_launched_them():
     assert categorize("triton_poi_fused_mul_0", ["CompiledFunction"]) == "other"
 
 
-def _event(id, name, start, end, parent=None, device=False, linked=0, shapes=None, seq=-1):
-    from torch.autograd import DeviceType
+def _event(id, name, start, end, parent=None, shapes=None, seq=-1, **flags):
     from torch.autograd.profiler_util import FunctionEvent
 
     event = FunctionEvent(
@@ -181,13 +180,32 @@ def _event(id, name, start, end, parent=None, device=False, linked=0, shapes=Non
         end_us=end,
         input_shapes=shapes or [],
         sequence_nr=seq,
-        device_type=DeviceType.CUDA if device else DeviceType.CPU,
-        linked_correlation_id=linked,
+        **flags,
     )
+    event.linked_correlation_id = 0  # set here: torch 2.11's events have no such field
     if parent is not None:
         event.set_cpu_parent(parent)
         parent.append_cpu_child(event)
     return event
+
+
+def _kernel(id, name, start, end, *listed_by, **flags):
+    """A device event, linked to the first of `listed_by` (its launching op) and in the
+    `kernels` of each, as torch's _parse_kineto_results lists it. Its own `id` is CUPTI's."""
+    from torch.autograd import DeviceType
+
+    kernel = _event(id, name, start, end, device_type=DeviceType.CUDA, **flags)
+    kernel.linked_correlation_id = listed_by[0].id if listed_by else 0
+    for op in listed_by:
+        op.append_kernel(name, 0, end - start)
+    return kernel
+
+
+def _cuda_call(id, name, start, end, parent, launching=None):
+    """A CUDA runtime call: its `id` is CUPTI's count, linked to the op that made it, if any."""
+    call = _event(id, name, start, end, parent)
+    call.linked_correlation_id = launching.id if launching is not None else 0
+    return call
 
 
 def test_gpu_kernels_are_attributed_to_blocks_collectives_and_directions():
@@ -195,8 +213,8 @@ def test_gpu_kernels_are_attributed_to_blocks_collectives_and_directions():
     and whose compiled backward (matched by sequence number) runs another all-to-all."""
     from benchmarks.breakdown import step_breakdown
 
-    forward = _event(1, "bench::forward", 0, 100)
-    block = _event(2, "bench::layer 0", 10, 90, forward)
+    forward = _event(1, "bench::forward", 0, 100, is_user_annotation=True)
+    block = _event(2, "bench::layer 0", 10, 90, forward, is_user_annotation=True)
     compiled = _event(3, "CompiledFunction", 11, 89, block, seq=7)
     sent = [[1, 1024, 2, 64]]  # bf16: 256 KiB
     to_heads = _event(4, "_c10d_functional::all_to_all_single", 20, 30, compiled, shapes=sent)
@@ -205,10 +223,10 @@ def test_gpu_kernels_are_attributed_to_blocks_collectives_and_directions():
     backward = _event(7, "CompiledFunctionBackward", 201, 299, engine, seq=7)
     to_tokens = _event(8, "_c10d_functional::all_to_all_single", 210, 220, backward, shapes=sent)
     kernels = [
-        _event(9, "ncclDevKernel_SendRecv", 21, 26, device=True, linked=4),
-        _event(10, "chunk_fwd_kernel_o", 41, 51, device=True, linked=5),
-        _event(11, "ncclDevKernel_SendRecv", 211, 219, device=True, linked=8),
-        _event(12, "nvjet_hsh_64x8", 45, 47, device=True, linked=0),  # no launching op
+        _kernel(9, "ncclDevKernel_SendRecv", 21, 26, to_heads),
+        _kernel(10, "chunk_fwd_kernel_o", 41, 51, rule),
+        _kernel(11, "ncclDevKernel_SendRecv", 211, 219, to_tokens),
+        _kernel(12, "nvjet_hsh_64x8", 45, 47),  # no launching op
     ]
     cpu = [forward, block, compiled, to_heads, rule, engine, backward, to_tokens]
     result = step_breakdown(cpu + kernels, ["linear_attention"], cuda=True)
@@ -224,3 +242,48 @@ def test_gpu_kernels_are_attributed_to_blocks_collectives_and_directions():
     assert by_direction["forward"]["bytes"] == 1024 * 2 * 64 * 2
     assert by_direction["forward"]["gb_per_s"] == round(262144 / 0.005 / 1e6, 2)
     assert by_direction["backward"]["median_kernel_ms"] == 0.008
+
+
+def test_gpu_kernels_follow_torchs_links_not_colliding_ids():
+    """Each kernel counts once, under the op that torch lists it in: not under a CUDA call whose
+    CUPTI id equals that op's id, nor twice where torch lists it twice (also in an unlinked CUDA
+    call, or a range's span on the device in the range), nor a legacy op's CUDA time. Kernels
+    of compiled code find their block, forward and backward, through Inductor's ranges."""
+    from benchmarks.breakdown import step_breakdown
+
+    forward = _event(1, "bench::forward", 0, 100, is_user_annotation=True)
+    block = _event(2, "bench::layer 0", 10, 90, forward, is_user_annotation=True)
+    compiled = _event(3, "CompiledFunction", 11, 89, block, seq=7)
+    graph = _event(4, "## Call CompiledFxGraph fwd ##", 12, 88, compiled)
+    rule = _event(5, "titan_gdn::gated_delta_rule_fla", 20, 40, graph)
+    pointwise = _event(6, "triton_poi_fused_mul_0", 50, 52, graph)
+    engine = _event(7, "autograd::engine::evaluate_function: CompiledFunctionBackward", 200, 300)
+    backward = _event(8, "CompiledFunctionBackward", 201, 299, engine, seq=7)
+    graph_backward = _event(9, "## Call CompiledFxGraph bwd ##", 202, 298, backward)
+    reduction = _event(10, "triton_red_fused_sum_1", 210, 213, graph_backward)
+    optimizer = _event(11, "Optimizer.step#AdamW.step", 400, 500, is_user_annotation=True)
+    foreach = _event(12, "aten::_foreach_mul_", 410, 420, optimizer)
+    legacy = _event(13, "aten::add_", 430, 440, optimizer, is_legacy=True)
+    legacy.append_kernel("aten::add_", 0, 10)  # its own CUDA time, as the legacy profiler's
+    fsdp = _event(14, "FSDP::all_gather", 600, 700, is_user_annotation=True)
+    gather = _event(15, "c10d::_allgather_base_", 610, 620, fsdp)
+    calls = [  # CUPTI's ids: 5 is the delta rule's id too, 6 the pointwise kernel's launcher's
+        _cuda_call(5, "cudaLaunchKernel", 411, 412, foreach, launching=foreach),
+        _cuda_call(6, "cudaEventRecord", 450, 451, optimizer),
+    ]
+    kernels = [
+        _kernel(20, "chunk_fwd_kernel_o", 21, 31, rule),
+        _kernel(21, "triton_poi_fused_mul_0", 50, 52, pointwise, calls[1]),
+        _kernel(22, "triton_red_fused_sum_1", 210, 213, reduction),
+        _kernel(23, "multi_tensor_apply_kernel", 411, 415, foreach),
+        _kernel(24, "ncclDevKernel_AllGather_RING_LL", 611, 619, gather),
+        _kernel(2, "bench::layer 0", 21, 52, block, is_user_annotation=True),
+    ]
+    cpu = [forward, block, compiled, graph, rule, pointwise, engine, backward, graph_backward]
+    cpu += [reduction, optimizer, foreach, legacy, fsdp, gather, *calls]
+    result = step_breakdown(cpu + kernels, ["linear_attention"], cuda=True)
+    expected = {"delta_rule": 0.01, "other": 0.005, "optimizer": 0.004, "fsdp": 0.008}
+    assert {k: v for k, v in result["categories_ms"].items() if v} == expected
+    block_ms = result["layers_ms"]["linear_attention"]
+    assert {k: v for k, v in block_ms.items() if v} == {"delta_rule": 0.01, "other": 0.005}
+    assert result["busy_ms"] == 0.027  # the kernels alone, not the range's span over the gap
