@@ -580,8 +580,11 @@ def _git_state() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
 
+    commit = git("rev-parse", "HEAD")
+    if not commit:  # an exported tree (git archive) has no history: its exporter names it
+        return {"commit": os.environ.get("TITAN_GDN_COMMIT"), "dirty": None}
     dirty = git("status", "--porcelain", "--", "titan_gdn", "benchmarks")
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(dirty)}
+    return {"commit": commit, "dirty": bool(dirty)}
 
 
 def config_dict(run: RunConfig) -> dict:
