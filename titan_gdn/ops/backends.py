@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
-import importlib.util
+import functools
+import importlib
+import logging
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 # A constant to torch.compile: dynamo cannot trace importlib, and installs do not change.
 @torch.compiler.assume_constant_result
+@functools.cache
 def module_available(name: str) -> bool:
+    """Whether `name` imports. Being installed is not enough: a CUDA extension built for
+    another torch or GPU fails only when imported, and auto selection must then skip it."""
     try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
+        importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name == name:  # not installed
+            return False
+        logger.warning(f"{name} is installed but does not import ({error}); not using it")
         return False
+    except Exception as error:  # a broken build: ImportError, OSError from its library, ...
+        logger.warning(f"{name} is installed but does not import ({error}); not using it")
+        return False
+    return True
 
 
 def resolve_backend(
