@@ -32,10 +32,7 @@ OPS_TO_SAVE = _op_sac_save_list | {
     torch.ops.titan_gdn.gated_delta_rule_fla.default,
     torch.ops.titan_gdn.gated_delta_rule_torch.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    # Context parallel moves heads with an all-to-all; on gloo, which has none, DTensor
-    # all-gathers and slices instead.
-    torch.ops._c10d_functional.all_to_all_single.default,
-    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,  # context parallel moves heads
 }
 
 
