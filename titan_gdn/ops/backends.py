@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
 
 import torch
-
-logger = logging.getLogger(__name__)
+from torchtitan.tools.logging import logger
 
 
 # A constant to torch.compile: dynamo cannot trace importlib, and installs do not change.
@@ -19,12 +17,9 @@ def module_available(name: str) -> bool:
     another torch or GPU fails only when imported, and auto selection must then skip it."""
     try:
         importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if error.name == name:  # not installed
-            return False
-        logger.warning(f"{name} is installed but does not import ({error}); not using it")
-        return False
     except Exception as error:  # a broken build: ImportError, OSError from its library, ...
+        if isinstance(error, ModuleNotFoundError) and error.name == name:
+            return False  # not installed
         logger.warning(f"{name} is installed but does not import ({error}); not using it")
         return False
     return True
