@@ -40,3 +40,14 @@ def test_a_broken_extension_is_skipped(tmp_path, monkeypatch):
     assert module_available("good_ext")
     assert _resolve("broken_ext") == "torch"
     assert _resolve("good_ext") == "fast_ext"
+
+
+def test_selection_inside_a_compiled_block_is_a_constant():
+    # Ops resolve their backend when called, i.e. inside each compiled block: the import
+    # check must not be traced (dynamo cannot trace importlib) and must not break the graph.
+    def shifted(x):
+        picked = (_resolve("json"), _resolve("no_such_extension_here"))
+        return x + (1.0 if picked == ("fast_ext", "torch") else -1.0)
+
+    compiled = torch.compile(shifted, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(torch.zeros(2)), torch.ones(2))

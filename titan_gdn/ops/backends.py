@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
-import functools
 import importlib
 
 import torch
 from torchtitan.tools.logging import logger
 
+_IMPORTS: dict[str, bool] = {}
+
 
 # A constant to torch.compile: dynamo cannot trace importlib, and installs do not change.
+# The cache is a dict, not functools.cache: dynamo traces through a cache wrapper into the
+# function it wraps, which would bypass this mark.
 @torch.compiler.assume_constant_result
-@functools.cache
 def module_available(name: str) -> bool:
     """Whether `name` imports. Being installed is not enough: a CUDA extension built for
     another torch or GPU fails only when imported, and auto selection must then skip it."""
+    if name not in _IMPORTS:
+        _IMPORTS[name] = _imports(name)
+    return _IMPORTS[name]
+
+
+def _imports(name: str) -> bool:
     try:
         importlib.import_module(name)
     except Exception as error:  # a broken build: ImportError, OSError from its library, ...
