@@ -27,12 +27,13 @@ from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 
 # Imported for their side effect too: the ops below are registered on import.
 from titan_gdn.ops import delta_rule  # noqa: F401
+from titan_gdn.parallel import head_sharding  # noqa: F401
 
 OPS_TO_SAVE = _op_sac_save_list | {
     torch.ops.titan_gdn.gated_delta_rule_fla.default,
     torch.ops.titan_gdn.gated_delta_rule_torch.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops._c10d_functional.all_to_all_single.default,  # context parallel moves heads
+    torch.ops.titan_gdn.all_to_all.default,  # context parallel moves heads
 }
 
 
