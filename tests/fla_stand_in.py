@@ -15,7 +15,6 @@ import inspect
 import torch
 from fla.modules.norm import l2norm as fla_l2norm
 from fla.ops.gated_delta_rule import chunk as fla_chunk
-from fla.ops.utils.index import prepare_chunk_indices
 
 from titan_gdn.ops.custom_op import recording_autograd
 from titan_gdn.ops.delta_rule.fla_op import CHUNK_SIZE, FlaKernels
@@ -30,7 +29,6 @@ class FlaStandIn:
         return FlaKernels(
             l2norm_fwd=self.l2norm_fwd,
             l2norm_bwd=self.l2norm_bwd,
-            prepare_chunk_indices=prepare_chunk_indices,
             forward=self.forward,
             backward=self.backward,
         )

@@ -89,3 +89,26 @@ def test_fla_op_keeps_low_precision_outputs_and_input_dtypes_for_grads(stand_in)
     assert result["o"].dtype == torch.bfloat16
     for name in INPUT_NAMES:
         assert result[f"d{name}"].dtype == inputs[name].dtype, name
+
+
+def test_document_chunks_are_fla_s_chunk_indices():
+    """The boundaries and chunk indices handed to FLA's conv and delta rule are what FLA
+    derives itself (`prepare_chunk_indices`), for fresh random packings with 1-token
+    documents, documents across chunk boundaries and the fixed-capacity padding."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from titan_gdn.model import DocumentBoundaries
+    from titan_gdn.ops.documents import FLA_CHUNK_SIZE, documents_and_chunks
+
+    generator = torch.Generator().manual_seed(torch.seed())
+    for _ in range(30):
+        rows, length = torch.randint(1, 4, (2,), generator=generator).tolist()
+        length *= int(torch.randint(1, 400, (1,), generator=generator))
+        tokens = torch.randint(1, 50, (rows, length), generator=generator)
+        tokens[tokens < 4] = 0  # EOS
+        docs = DocumentBoundaries.from_tokens(tokens, 0)
+        cu_seqlens, chunk_indices = documents_and_chunks(docs.padded_cu_seqlens)
+        assert torch.equal(cu_seqlens, docs.cu_seqlens)
+        expected = prepare_chunk_indices(docs.cu_seqlens.clone(), FLA_CHUNK_SIZE)
+        assert chunk_indices.dtype == expected.dtype
+        assert torch.equal(chunk_indices, expected)

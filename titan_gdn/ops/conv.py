@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from titan_gdn.ops.backends import resolve_backend
 from titan_gdn.ops.custom_op import recomputing_op
-from titan_gdn.ops.documents import cached_without_empty_tail
+from titan_gdn.ops.documents import cached_documents_and_chunks
 
 CONV_BACKENDS = ("causal_conv1d", "fla", "torch")
 
@@ -41,12 +41,14 @@ def _causal_conv1d_silu(x, weight, cu_seqlens, backend):
     if backend == "fla":
         from fla.modules.causal_conv1d import causal_conv1d
 
+        cu_seqlens, chunk_indices = cached_documents_and_chunks()(cu_seqlens)
         out, _ = causal_conv1d(
             x,
             weight=weight,
             activation="silu",
             backend="triton",
-            cu_seqlens=cached_without_empty_tail()(cu_seqlens),
+            cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices,
         )
         return out
     if backend == "causal_conv1d":

@@ -11,22 +11,45 @@ import functools
 
 import torch
 
+# FLA's conv and delta rule both tile each document into chunks of this many tokens.
+FLA_CHUNK_SIZE = 64
+
 
 def without_empty_tail(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """`cu_seqlens` without its padding: the boundaries of the non-empty documents.
+    """`cu_seqlens` without its padding: the boundaries of the non-empty documents. One host
+    sync."""
+    return documents_and_chunks(cu_seqlens)[0]
 
-    For kernels that launch work per document (FLA's): thousands of empty documents would
-    cost launches and were never exercised there. One host sync.
+
+def documents_and_chunks(
+    cu_seqlens: torch.Tensor, chunk_size: int = FLA_CHUNK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The boundaries of the non-empty documents, and FLA's chunk indices for them: int
+    [num_chunks, 2], each chunk's document and its index inside the document (the layout of
+    FLA's `prepare_chunk_indices`).
+
+    For kernels that launch work per document and per chunk (FLA's): thousands of empty
+    documents would cost launches and were never exercised there. The two counts that size
+    the results are read in one host sync; FLA's own `prepare_chunk_indices` takes two more
+    (a `repeat_interleave` without its output size).
     """
-    num_documents = int(torch.searchsorted(cu_seqlens, cu_seqlens[-1:]))
-    return cu_seqlens[: num_documents + 1]
+    counts = (cu_seqlens.diff() + chunk_size - 1).div(chunk_size, rounding_mode="floor")
+    num_documents = torch.searchsorted(cu_seqlens, cu_seqlens[-1:]).squeeze(0)
+    num_documents, num_chunks = torch.stack([num_documents, counts.sum()]).tolist()
+    counts = counts[:num_documents]
+    document = torch.arange(num_documents, device=cu_seqlens.device)
+    document = document.repeat_interleave(counts, output_size=num_chunks)
+    first_chunk = counts.cumsum(0) - counts
+    index = torch.arange(num_chunks, device=cu_seqlens.device) - first_chunk[document]
+    trimmed = cu_seqlens[: num_documents + 1]
+    return trimmed, torch.stack([document, index], 1).to(trimmed)
 
 
 @functools.cache
-def cached_without_empty_tail():
-    """`without_empty_tail` memoized on the tensor's identity, as FLA memoizes what it derives
-    from cu_seqlens: every layer of a step then passes FLA the same trimmed tensor, so FLA's
-    own caches hit, and the sync happens once per step."""
+def cached_documents_and_chunks():
+    """`documents_and_chunks` memoized on the tensor's identity, as FLA memoizes what it
+    derives from cu_seqlens: every GDN layer of a step (forward and backward, conv and delta
+    rule) gets the same tensors, and the sync happens once per step."""
     from fla.utils import tensor_cache
 
-    return tensor_cache(without_empty_tail)
+    return tensor_cache(documents_and_chunks)

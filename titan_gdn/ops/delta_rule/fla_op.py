@@ -25,10 +25,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from titan_gdn.ops.documents import cached_without_empty_tail
+from titan_gdn.ops.documents import FLA_CHUNK_SIZE, cached_documents_and_chunks
 
 # FLA's default chunk size for the gated delta rule; A is [1, T, Hv, CHUNK_SIZE].
-CHUNK_SIZE = 64
+CHUNK_SIZE = FLA_CHUNK_SIZE
 
 
 class FlaKernels(NamedTuple):
@@ -36,7 +36,6 @@ class FlaKernels(NamedTuple):
 
     l2norm_fwd: Callable
     l2norm_bwd: Callable
-    prepare_chunk_indices: Callable
     forward: Callable
     backward: Callable
 
@@ -48,7 +47,6 @@ def load_fla_kernels() -> FlaKernels:
         chunk_gated_delta_rule_bwd,
         chunk_gated_delta_rule_fwd,
     )
-    from fla.ops.utils.index import prepare_chunk_indices
 
     from titan_gdn.ops.delta_rule.hopper_guard import allow_fla_hopper_bk128
 
@@ -56,7 +54,6 @@ def load_fla_kernels() -> FlaKernels:
     return FlaKernels(
         l2norm_fwd,
         l2norm_bwd,
-        prepare_chunk_indices,
         chunk_gated_delta_rule_fwd,
         chunk_gated_delta_rule_bwd,
     )
@@ -76,8 +73,8 @@ def gated_delta_rule_fla(
     fla = load_fla_kernels()
     # FLA types cu_seqlens as LongTensor, but every kernel casts what it loads, and int32 is
     # what FLA's own layers pass. No .long(): the trimmed tensor is then the same object
-    # across layers, so FLA's identity-keyed cache of chunk indices hits.
-    cu_seqlens = cached_without_empty_tail()(cu_seqlens)
+    # across layers, so FLA's identity-keyed caches (chunk offsets) hit.
+    cu_seqlens, chunk_indices = cached_documents_and_chunks()(cu_seqlens)
     q, k, g, beta = (x.contiguous() for x in (q, k, g, beta))
     # A fresh copy even when v is contiguous: a residual must not alias an input. In the GDN
     # layer v is a slice of the conv output, which FLA's input guard copies just the same;
@@ -96,7 +93,7 @@ def gated_delta_rule_fla(
             initial_state=None,
             output_final_state=False,
             cu_seqlens=cu_seqlens,
-            chunk_indices=fla.prepare_chunk_indices(cu_seqlens, CHUNK_SIZE),
+            chunk_indices=chunk_indices,
             chunk_size=CHUNK_SIZE,
         )
     # FLA returns o in q's dtype; the contract is v's.
@@ -135,7 +132,7 @@ def gated_delta_rule_fla_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients for q, k, v, g, beta from the forward's residuals, in their dtypes (dg fp32)."""
     fla = load_fla_kernels()
-    cu_seqlens = cached_without_empty_tail()(cu_seqlens)
+    cu_seqlens, chunk_indices = cached_documents_and_chunks()(cu_seqlens)
     with _on_device(q):
         dq, dk, dv, dbeta, dg, _, _, _ = fla.backward(
             q=q,
@@ -149,7 +146,7 @@ def gated_delta_rule_fla_backward(
             do=grad_o.to(q.dtype).contiguous(),
             dht=None,
             cu_seqlens=cu_seqlens,
-            chunk_indices=fla.prepare_chunk_indices(cu_seqlens, CHUNK_SIZE),
+            chunk_indices=chunk_indices,
             chunk_size=CHUNK_SIZE,
         )
         dq = fla.l2norm_bwd(q, q_rstd, dq)
