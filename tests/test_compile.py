@@ -21,7 +21,7 @@ from titan_gdn.model import DocumentBoundaries, Qwen35Model, qwen3_5_args
 from titan_gdn.model.args import FULL_ATTENTION, LINEAR_ATTENTION
 from titan_gdn.ops.conv import causal_conv1d_silu
 from titan_gdn.ops.delta_rule import gated_delta_rule
-from titan_gdn.ops.documents import without_empty_tail
+from titan_gdn.ops.documents import documents_and_chunks
 from titan_gdn.parallel.parallelize import parallelize_qwen3_5
 
 EOS = 0
@@ -143,7 +143,7 @@ def test_ops_pass_opcheck():
         tensors = [t.requires_grad_() for t in tensors]
         torch.library.opcheck(op, (*tensors, docs.padded_cu_seqlens, *constants))
     # The padded boundaries give what the exact ones give, and trim back to them (for FLA).
-    assert torch.equal(without_empty_tail(docs.padded_cu_seqlens), docs.cu_seqlens)
+    assert torch.equal(documents_and_chunks(docs.padded_cu_seqlens)[0], docs.cu_seqlens)
     assert torch.equal(
         gated_delta_rule(q, k, v, g, beta, docs.padded_cu_seqlens),
         gated_delta_rule(q, k, v, g, beta, docs.cu_seqlens),

@@ -15,12 +15,6 @@ import torch
 FLA_CHUNK_SIZE = 64
 
 
-def without_empty_tail(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """`cu_seqlens` without its padding: the boundaries of the non-empty documents. One host
-    sync."""
-    return documents_and_chunks(cu_seqlens)[0]
-
-
 def documents_and_chunks(
     cu_seqlens: torch.Tensor, chunk_size: int = FLA_CHUNK_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor]:
