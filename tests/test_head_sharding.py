@@ -1,5 +1,6 @@
 """The CP head exchange on 2 gloo processes: `to_heads` gives each rank all tokens of its head
-groups, each part in its own buffer; `to_tokens` inverts it; gradients flow back exactly."""
+groups, the parts asked for in buffers of their own; `to_tokens` inverts it; gradients flow
+back exactly."""
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -8,7 +9,8 @@ from tests.distributed import run_on_ranks
 from titan_gdn.parallel.head_sharding import HeadSharding
 
 GROUPS, SEQ_LEN = 4, 6
-CHANNELS = (3, 5, 1)  # e.g. q, v and a gate: parts of different widths
+CHANNELS = (3, 5, 1, 2)  # e.g. q, v and two gates: parts of different widths
+OWN_BUFFERS = 2
 
 
 def _full_parts(batch: int) -> list[torch.Tensor]:
@@ -24,12 +26,13 @@ def _check_exchange(rank, world_size):
     for batch in (1, 2):
         full = _full_parts(batch)
         shards = [p[:, tokens].clone().requires_grad_() for p in full]
-        heads = sharding.to_heads(*shards)
+        heads = sharding.to_heads(*shards, own_buffers=OWN_BUFFERS)
         for got, part in zip(heads, full, strict=True):
             assert torch.equal(got, part[:, :, groups]), f"batch {batch}"
-        # A view of one part would keep every part's memory alive until its last reader.
-        storages = {h.untyped_storage().data_ptr() for h in heads}
-        assert len(storages) == len(heads), "to_heads parts share a buffer"
+        # Held alone, a part in its own buffer must not keep the others' memory alive.
+        storages = [h.untyped_storage().data_ptr() for h in heads]
+        own = storages[-OWN_BUFFERS:]
+        assert len(set(own)) == OWN_BUFFERS and not set(own) & set(storages[:-OWN_BUFFERS])
 
         back = sharding.to_tokens(*heads)
         for got, shard in zip(back, shards, strict=True):

@@ -48,7 +48,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(value_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, docs: DocumentBoundaries) -> torch.Tensor:
-        q, k, v, a, b = self.heads.to_heads(*self.project(x))
+        # a and b in buffers of their own: the gate backward reads them after the delta rule's.
+        q, k, v, a, b = self.heads.to_heads(*self.project(x), own_buffers=2)
         (o,) = self.heads.to_tokens(self.mix(q, k, v, a, b, docs))
         return self.output(o, x)
 

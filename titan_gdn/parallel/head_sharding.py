@@ -10,9 +10,9 @@ step is the identity.
 The exchange is one `all_to_all_single` on a buffer laid out destination-rank first, not
 DTensor's `redistribute(Shard(seq) -> Shard(head))`: that one copies each rank's slice out,
 receives into separate tensors and concatenates them, so four buffers of the mixer's whole
-input are alive at once (9 GiB each for a 0.8B GDN layer at 1.5M tokens over cp=2). Here
-towards heads the packing is one copy and the split into parts another (reading a part needs
-none, with one row per rank); on the way back there is one layout copy.
+input are alive at once (9 GiB each for a 0.8B GDN layer at 1.5M tokens over cp=2). Here the
+packing copy is the only one towards heads (none is needed to read the result, with one row
+per rank), and one layout copy on the way back.
 
 The all-to-all is an opaque custom op (`titan_gdn::all_to_all`), not a functional collective:
 under compiled activation checkpointing, torch 2.11's partitioner must save the output of a
@@ -21,17 +21,19 @@ layer's head-sharded inputs stayed alive until backward: at cp=2 a 0.8B model us
 memory per GPU than at cp=1 on the same length. An opaque op is recomputed like any other,
 and selective checkpointing can name it to keep it.
 
-The op hands each part back in its own buffer, not as views of the received one: a view of
-a small part keeps the whole buffer. The GDN gates' inputs (a, b: 2 of 386 channels a head
-group) are read again by the gate backward, which inductor fuses with reading them straight
-from the received buffer, after the delta-rule backward: so at the peak of a layer's
-backward the mixer's whole input was held twice (9 GiB of a 0.8B layer at 1.5M tokens, cp=2).
+A part can come back in a buffer of its own (`own_buffers`) because a view of a small part
+keeps the whole received buffer: the GDN gates' inputs (a, b: 2 of 386 channels a head group)
+are read again by the gate backward, which inductor fuses with reading them straight from
+the received buffer, after the delta-rule backward; so at the peak of a layer's backward the
+mixer's whole input was held twice (9 GiB of a 0.8B layer at 1.5M tokens, cp=2). Copying
+every part out instead would hold three buffers of that size at once, in the op.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -41,17 +43,25 @@ class HeadSharding:
         self.degree = 1 if mesh is None else mesh.size()
         self.rank = 0 if mesh is None else mesh.get_local_rank()
 
-    def to_heads(self, *parts: torch.Tensor) -> list[torch.Tensor]:
-        """[B, T/N, G, c_i] per part -> [B, T, G/N, c_i]: all tokens, this rank's groups."""
+    def to_heads(self, *parts: torch.Tensor, own_buffers: int = 0) -> list[torch.Tensor]:
+        """[B, T/N, G, c_i] per part -> [B, T, G/N, c_i]: all tokens, this rank's groups.
+
+        The last `own_buffers` parts come in buffers of their own; the others are views of
+        the received buffer, which lives as long as any of them is held.
+        """
         if self.mesh is None:
             return list(parts)
         n = self.degree
         batch, shard_len, groups, _ = parts[0].shape
         # [N destination ranks, B, T/N, G/N, sum c_i]: packing the parts is the one copy.
         send = torch.cat([p.unflatten(2, (n, groups // n)).movedim(2, 0) for p in parts], -1)
-        # Per part: [N source ranks = sequence shards, B, T/N, G/N, c_i], a view when B == 1.
-        received = self._all_to_all(send, [p.shape[-1] for p in parts])
-        return [r.movedim(0, 1).reshape(batch, n * shard_len, groups // n, -1) for r in received]
+        sizes = [p.shape[-1] for p in parts]
+        viewed = len(parts) - own_buffers
+        # [N source ranks = sequence shards, B, T/N, G/N, c]: read in place when B == 1.
+        received, *copies = self._all_to_all(send, sizes[viewed:])
+        shape = (batch, n * shard_len, groups // n, -1)
+        views = received.movedim(0, 1).reshape(shape).split(sizes, dim=-1)[:viewed]
+        return [*views, *(c.movedim(0, 1).reshape(shape) for c in copies)]
 
     def to_tokens(self, *parts: torch.Tensor) -> list[torch.Tensor]:
         """The inverse of `to_heads`."""
@@ -62,10 +72,9 @@ class HeadSharding:
         packed = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
         # [N destination ranks = sequence shards, B, T/N, G/N, c]: a view when B == 1.
         send = packed.unflatten(1, (n, seq_len // n)).movedim(1, 0).contiguous()
-        # Per part: [N source ranks = head groups, B, T/N, G/N, c_i].
-        received = self._all_to_all(send, [p.shape[-1] for p in parts])
-        shape = (batch, seq_len // n, n * local_groups, -1)
-        return [r.movedim(0, 2).reshape(shape) for r in received]
+        (received,) = self._all_to_all(send, [])  # [N source ranks = head groups, ...]
+        heads = received.movedim(0, 2).reshape(batch, seq_len // n, n * local_groups, -1)
+        return list(heads.split([p.shape[-1] for p in parts], dim=-1))
 
     def local(self, param: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a per-head parameter laid out group-major along dim 0.
@@ -76,37 +85,41 @@ class HeadSharding:
         per_rank = param.shape[0] // self.degree
         return param.narrow(0, self.rank * per_rank, per_rank)
 
-    def _all_to_all(self, send: torch.Tensor, part_sizes: list[int]) -> list[torch.Tensor]:
-        return all_to_all(send, self.mesh.get_group().group_name, part_sizes)
+    def _all_to_all(self, send: torch.Tensor, tail_sizes: list[int]) -> list[torch.Tensor]:
+        return all_to_all(send, self.mesh.get_group().group_name, tail_sizes)
 
 
 @torch.library.custom_op("titan_gdn::all_to_all", mutates_args=())
-def all_to_all(send: torch.Tensor, group_name: str, part_sizes: list[int]) -> list[torch.Tensor]:
-    """Equal slices of dim 0, slice i to rank i of the group; what arrives is split along the
-    last dim into parts of `part_sizes` channels, each in its own buffer. Its own inverse, on
-    the parts concatenated."""
+def all_to_all(send: torch.Tensor, group_name: str, tail_sizes: list[int]) -> list[torch.Tensor]:
+    """Equal slices of dim 0, slice i to rank i of the group: the received buffer, then copies
+    of its last channels split into `tail_sizes`. Its own inverse (with no tail)."""
     received = torch.empty_like(send, memory_format=torch.contiguous_format)
     # A process group cannot be an op argument; its name can (as functional collectives do).
     group = dist.distributed_c10d._resolve_process_group(group_name)
     dist.all_to_all_single(received, send.contiguous(), group=group)
-    if len(part_sizes) == 1:
-        return [received]
-    return [part.contiguous() for part in received.split(part_sizes, dim=-1)]
+    tail = received[..., received.shape[-1] - sum(tail_sizes) :]
+    return [received, *(t.contiguous() for t in tail.split(tail_sizes, dim=-1))]
 
 
 @all_to_all.register_fake
-def _(send, group_name, part_sizes):
-    return [send.new_empty((*send.shape[:-1], size)) for size in part_sizes]
+def _(send, group_name, tail_sizes):
+    shape = send.shape[:-1]
+    received = torch.empty_like(send, memory_format=torch.contiguous_format)
+    return [received, *(send.new_empty((*shape, size)) for size in tail_sizes)]
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.group_name = inputs[1]
+    ctx.group_name, ctx.tail_sizes = inputs[1:]
 
 
 def _backward(ctx, grads):
-    grad = torch.cat(grads, dim=-1) if len(grads) > 1 else grads[0]
-    (grad_send,) = all_to_all(grad, ctx.group_name, [grad.shape[-1]])
-    return grad_send, None, None
+    grad, *tail_grads = grads
+    if tail_grads:
+        tail = torch.cat(tail_grads, dim=-1)
+        grad = grad + F.pad(tail, (grad.shape[-1] - tail.shape[-1], 0))
+    (grad_send,) = all_to_all(grad, ctx.group_name, [])
+    # Gradients mirror the inputs' structure, where an empty list is a container, not a leaf.
+    return grad_send, None, None if ctx.tail_sizes else []
 
 
 all_to_all.register_autograd(_backward, setup_context=_setup_context)
