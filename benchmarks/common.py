@@ -13,6 +13,7 @@ import copy
 import datetime
 import gc
 import itertools
+import linecache
 import os
 import platform
 import socket
@@ -20,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -508,21 +510,45 @@ def guarded(rt: Runtime, work: Callable[[], dict]) -> dict:
     fresh process for this reason.
     """
     record: dict = {}
-    failure = None
+    failure, site = None, []
     try:
         record = work()
     except Exception as error:  # noqa: BLE001 - anything but OOM is re-raised
         if not is_out_of_memory(error):
             raise
         failure = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        site = oom_site(error)
         # In the log too: if the other ranks never reach the agreement below, the log is
         # what tells memory.py that this trial ran out of memory.
         print(f"[rank {rt.rank}] out of memory: {failure}", file=sys.stderr, flush=True)
+        print("\n".join(f"[rank {rt.rank}]   at {line}" for line in site), file=sys.stderr)
     finally:
         rt.free_memory()
     if rt.any_rank(failure is not None):
-        return {"status": "oom", "error": failure or "out of memory on another rank"}
+        oom = {"status": "oom", "error": failure or "out of memory on another rank"}
+        return {**oom, "oom_site": site} if site else oom
     return {"status": "ok", **record}
+
+
+def oom_site(error: BaseException, frames: int = 8) -> list[str]:
+    """Where an allocation failed: the innermost frames of the error, innermost last. In code
+    that inductor generated, the frame's line is a kernel call or an allocation; the graph
+    nodes it computes are named in the comment above it."""
+    site = []
+    for frame in traceback.extract_tb(error.__traceback__)[-frames:]:
+        where = f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.name}"
+        line = f"{where}: {(frame.line or '').strip()[:100]}"
+        nodes = _generated_code_nodes(frame.filename, frame.lineno)
+        site.append(f"{line} [{nodes}]" if nodes else line)
+    return site
+
+
+def _generated_code_nodes(filename: str, lineno: int, search: int = 40) -> str:
+    for back in range(1, min(search, lineno)):
+        text = linecache.getline(filename, lineno - back)
+        if "Source Nodes:" in text:
+            return text.split("Source Nodes:", 1)[1].strip()[:200]
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -152,7 +152,13 @@ def test_out_of_memory_becomes_a_record_and_other_errors_propagate():
     def oom():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    assert guarded(OneRank(), oom)["status"] == "oom"
+    record = guarded(OneRank(), oom)
+    assert record["status"] == "oom"
+    # Where it ran out is recorded, innermost frame last.
+    assert (
+        record["oom_site"][-1].startswith("test_benchmarks.py:")
+        and " oom: raise" in (record["oom_site"][-1])
+    )
     assert guarded(OneRank(), lambda: {"x": 1}) == {"status": "ok", "x": 1}
     with pytest.raises(ValueError):
         guarded(OneRank(), lambda: int("not a number"))
