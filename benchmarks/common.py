@@ -172,7 +172,12 @@ class Runtime:
         reserved, active = self.reduce(
             [stats["reserved_bytes.all.peak"] / GIB, stats["active_bytes.all.peak"] / GIB]
         )
-        return {"peak_reserved_gib": round(reserved, 2), "peak_active_gib": round(active, 2)}
+        peaks = {"peak_reserved_gib": round(reserved, 2), "peak_active_gib": round(active, 2)}
+        if self.cuda:  # what the device holds for this process outside the caching allocator
+            free, total = torch.cuda.mem_get_info()
+            (outside,) = self.reduce([(total - free - torch.cuda.memory_reserved()) / GIB])
+            peaks["outside_allocator_gib"] = round(outside, 2)
+        return peaks
 
     def free_memory(self) -> None:
         gc.collect()
