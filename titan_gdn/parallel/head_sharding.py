@@ -60,7 +60,11 @@ class HeadSharding:
         # [N source ranks = sequence shards, B, T/N, G/N, c]: read in place when B == 1.
         received, *copies = self._all_to_all(send, sizes[viewed:])
         shape = (batch, n * shard_len, groups // n, -1)
-        views = received.movedim(0, 1).reshape(shape).split(sizes, dim=-1)[:viewed]
+        # Narrowed before it is split: the gradient of the channels not read is then a pad,
+        # computed with the rest, not zeros that inductor writes into the whole gradient
+        # buffer at the start of backward (holding it through the delta-rule backward).
+        viewed_channels = received[..., : sum(sizes[:viewed])]
+        views = viewed_channels.movedim(0, 1).reshape(shape).split(sizes[:viewed], dim=-1)
         return [*views, *(c.movedim(0, 1).reshape(shape) for c in copies)]
 
     def to_tokens(self, *parts: torch.Tensor) -> list[torch.Tensor]:
