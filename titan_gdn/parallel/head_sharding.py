@@ -11,8 +11,9 @@ The exchange is one `all_to_all_single` on a buffer laid out destination-rank fi
 DTensor's `redistribute(Shard(seq) -> Shard(head))`: that one copies each rank's slice out,
 receives into separate tensors and concatenates them, so four buffers of the mixer's whole
 input are alive at once (9 GiB each for a 0.8B GDN layer at 1.5M tokens over cp=2). Here the
-packing copy is the only one towards heads (none is needed to read the result, with one row
-per rank), and one layout copy on the way back.
+packing copy is the only copy of the whole input towards heads (reading the result needs
+none, with one row per rank; the small parts asked for in buffers of their own are copied),
+and one layout copy on the way back.
 
 The all-to-all is an opaque custom op (`titan_gdn::all_to_all`), not a functional collective:
 under compiled activation checkpointing, torch 2.11's partitioner must save the output of a
