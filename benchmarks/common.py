@@ -590,14 +590,10 @@ def environment(rt: Runtime, module: str) -> dict:
         "hardware": hardware,
         "versions": versions,
         "env": {
-            key: os.environ[key]
-            for key in (
-                "CUDA_VISIBLE_DEVICES",
-                "PYTORCH_CUDA_ALLOC_CONF",
-                "NCCL_ALGO",
-                "NCCL_PROTO",
-            )
-            if key in os.environ
+            key: value
+            for key, value in sorted(os.environ.items())
+            if key in ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")
+            or key.startswith(("NCCL_", "TORCH_NCCL_"))
         },
     }
 
