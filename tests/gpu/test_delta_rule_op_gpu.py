@@ -128,6 +128,34 @@ def test_backward_runs_no_forward_kernel(monkeypatch, compiled):
     assert counting.calls == {"forward": 1, "backward": 1}
 
 
+def test_local_memory_reserved_by_autotuning_is_given_back():
+    """A first use of the op gives back a grown CUDA stack (the local memory that spilling
+    autotune configurations leave reserved). The stack is grown by hand first, so the test
+    does not depend on whether this machine's autotune cache is cold."""
+    import ctypes
+
+    from titan_gdn.ops import local_memory
+
+    driver = local_memory._cuda_driver()
+    stack = ctypes.c_size_t()
+    inputs = random_inputs(301, 301, 5, 1, 2, 128)  # a shape no other test uses: a first use
+    _output_and_grads(_op, inputs, inputs["cu_seqlens"])  # tuned (or cached) at this shape
+    torch.cuda.synchronize()
+    assert driver.cuCtxSetLimit(0, ctypes.c_size_t(32768)) == 0
+    torch.ones(1, device="cuda").add_(1)  # a launch, should the driver resize lazily
+    torch.cuda.synchronize()
+    free_grown, _ = torch.cuda.mem_get_info()
+    local_memory._seen.clear()
+    _output_and_grads(_op, inputs, inputs["cu_seqlens"])  # the reset runs with kernels queued
+    torch.cuda.synchronize()
+    free_after, _ = torch.cuda.mem_get_info()
+    assert driver.cuCtxGetLimit(ctypes.byref(stack), 0) == 0
+    print(f"stack {stack.value} B/thread, {(free_after - free_grown) / 2**30:.2f} GiB freed")
+    assert stack.value <= local_memory.DEFAULT_STACK_BYTES
+    # 32 KB for every thread an H200 holds is 8 GiB; most of it must come back.
+    assert free_after - free_grown > 2 * 2**30
+
+
 def _model_step(model, tokens):
     inputs = tokens[:, :-1]
     docs = model.get_attention_masks(inputs, type("T", (), {"eos_id": 0}), None)

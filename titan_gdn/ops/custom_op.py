@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 
+from titan_gdn.ops.local_memory import release_after_first_use
+
 NAMESPACE = "titan_gdn"
 
 
@@ -39,8 +41,14 @@ def recomputing_op(
     "(Tensor x, Tensor weight, Tensor cu_seqlens, str backend)"; non-tensor arguments are
     compile-time constants. The output has the shape and dtype of argument `output_like`.
     """
+
+    def forward_impl(*args):
+        output = fn(*args).contiguous()  # the fake output is contiguous; the real one must be
+        release_after_first_use(name, *args[:num_differentiable])
+        return output
+
     forward = torch.library.custom_op(
-        f"{NAMESPACE}::{name}", _contiguous(fn), mutates_args=(), schema=f"{arguments} -> Tensor"
+        f"{NAMESPACE}::{name}", forward_impl, mutates_args=(), schema=f"{arguments} -> Tensor"
     )
 
     @forward.register_fake
@@ -52,6 +60,7 @@ def recomputing_op(
         with recording_autograd():
             output = fn(*inputs, *args[num_differentiable:])
         grads = torch.autograd.grad(output, inputs, grad, materialize_grads=True)
+        release_after_first_use(f"{name}_backward", *inputs)
         return [g.contiguous() for g in grads]
 
     backward = torch.library.custom_op(
@@ -90,11 +99,3 @@ def recording_autograd():
             stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
         stack.enter_context(torch.enable_grad())
         yield
-
-
-def _contiguous(fn):
-    # The fake outputs are contiguous; the real ones must match them.
-    def contiguous_fn(*args):
-        return fn(*args).contiguous()
-
-    return contiguous_fn

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from titan_gdn.ops.documents import FLA_CHUNK_SIZE, cached_documents_and_chunks
+from titan_gdn.ops.local_memory import release_after_first_use
 
 # FLA's default chunk size for the gated delta rule; A is [1, T, Hv, CHUNK_SIZE].
 CHUNK_SIZE = FLA_CHUNK_SIZE
@@ -96,6 +97,7 @@ def gated_delta_rule_fla(
             chunk_indices=chunk_indices,
             chunk_size=CHUNK_SIZE,
         )
+    release_after_first_use("gated_delta_rule_fla", q, v)
     # FLA returns o in q's dtype; the contract is v's.
     return o.to(q.dtype).to(v.dtype), q_unit, q_rstd, k_unit, k_rstd, v_saved, g_cumsum, A
 
@@ -151,6 +153,7 @@ def gated_delta_rule_fla_backward(
         )
         dq = fla.l2norm_bwd(q, q_rstd, dq)
         dk = fla.l2norm_bwd(k, k_rstd, dk)
+    release_after_first_use("gated_delta_rule_fla_backward", q, v)
     grads = (dq, dk, dv, dg, dbeta)
     return tuple(grad.to(x.dtype) for grad, x in zip(grads, (q, k, v, g_cumsum, beta), strict=True))
 
