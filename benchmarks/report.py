@@ -493,6 +493,7 @@ def _memory_section(files: list[tuple[str, dict]], plot: str | None) -> list[str
                 options["flavor"],
                 options["cp"],
                 options["ac"],
+                _searched(options),
                 result.get("longest_fit"),
                 result.get("first_oom"),
                 result.get("peak_reserved_gib"),
@@ -502,12 +503,18 @@ def _memory_section(files: list[tuple[str, dict]], plot: str | None) -> list[str
                 f"`{name}`",
             ]
         )
-    headings = ["flavor", "cp (GPUs)", "AC", "longest fit", "first OOM", "peak reserved GiB"]
+    headings = ["flavor", "cp (GPUs)", "AC", "lengths searched", "longest fit", "first OOM"]
+    headings += ["peak reserved GiB"]
     headings += ["tokens/s/GPU", "loss first → last", "complete", "file"]
     lines += table(headings, rows) + _length_ratio_rows(files)
     for name, data in files:
         lines += [f"### {name}", ""] + _provenance(name, data) + _trials_table(data)
     return lines
+
+
+def _searched(options: dict) -> str:
+    start, limit = options["start"], options["limit"]
+    return f"{start:,} only" if start == limit else f"{start:,} to {limit:,}"
 
 
 def _loss_text(losses) -> str | None:
@@ -545,13 +552,15 @@ def _trials_table(data: dict) -> list[str]:
             t["status"],
             t.get("peak_reserved_gib"),
             t.get("peak_active_gib"),
+            t.get("outside_allocator_gib"),
             t.get("tokens_per_s_per_gpu"),
             _loss_text(t.get("losses")),
         ]
         for t in data.get("trials", [])
     ]
-    headings = ["seq_len", "status", "peak reserved GiB", "peak active GiB", "tokens/s/GPU"]
-    return table(headings + ["loss first → last"], rows)
+    headings = ["seq_len", "status", "peak reserved GiB", "peak active GiB"]
+    headings += ["outside allocator GiB", "tokens/s/GPU", "loss first → last"]
+    return table(headings, rows)
 
 
 def _runs_section(files: list[tuple[str, dict]]) -> list[str]:
