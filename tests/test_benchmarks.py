@@ -104,7 +104,7 @@ def test_report_renders_tables_and_plots(results, tmp_path):
     text = doc.read_text()
     assert "| debugmodel | 64 | 2 | 2 | 1 |" in text  # the cp=2 row of the throughput table
     assert "transformers `Qwen3_5ForCausalLM`" in text and "NCCL `all_to_all_single`" in text
-    assert "| debugmodel | 1 | none | 64 |" in text  # the memory search
+    assert "| debugmodel | 1 | none | 64 only | 64 |" in text  # the memory search
     assert "benchmarks.memory --flavor debugmodel" in text
     assert report.main(["--results", str(results), "--out", str(doc), "--check"]) == 0
     try:
