@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import GIB, Runtime, environment, init_runtime
+from benchmarks.common import Runtime, environment, init_runtime
+from benchmarks.references import _collective_seconds
+from titan_gdn.ops.local_memory import outside_allocator_gib
 
 
-def outside_allocator_gib(rt: Runtime) -> float:
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    (outside,) = rt.reduce([(total - free - torch.cuda.memory_reserved()) / GIB])
+def outside_gib(rt: Runtime) -> float:
+    """The most any rank holds outside the caching allocator."""
+    (outside,) = rt.reduce([outside_allocator_gib()])
     return round(outside, 3)
 
 
@@ -57,24 +57,13 @@ def collectives(rt: Runtime, cp: int, exchange_bytes: int) -> list[tuple[str, ob
 
 
 def measure(rt: Runtime, cp: int, exchange_bytes: int) -> list[dict]:
-    rows = [{"after": "process group", "outside_allocator_gib": outside_allocator_gib(rt)}]
+    rows = [{"after": "process group", "outside_allocator_gib": outside_gib(rt)}]
     steps = collectives(rt, cp, exchange_bytes)
-    rows.append({"after": "meshes built", "outside_allocator_gib": outside_allocator_gib(rt)})
+    rows.append({"after": "meshes built", "outside_allocator_gib": outside_gib(rt)})
     for name, run in steps:
-        run()  # the first call sets the communicator's connections up
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(5):
-            run()
-        torch.cuda.synchronize()
-        (seconds,) = rt.reduce([(time.perf_counter() - start) / 5])
-        rows.append(
-            {
-                "after": name,
-                "outside_allocator_gib": outside_allocator_gib(rt),
-                "ms": round(seconds * 1000, 3),
-            }
-        )
+        # The warm-up call sets the communicator's connections up.
+        ms = round(_collective_seconds(run, rt, repeats=5, warmup=1) * 1000, 3)
+        rows.append({"after": name, "outside_allocator_gib": outside_gib(rt), "ms": ms})
     return rows
 
 

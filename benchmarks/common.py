@@ -33,6 +33,7 @@ from torch.profiler import record_function
 
 from benchmarks.records import OOM_MESSAGES, REPO_ROOT, check_docs, command_line
 from titan_gdn.cpu import use_cpu_if_no_accelerator
+from titan_gdn.ops.local_memory import outside_allocator_gib
 
 TOKENIZER_PATH = REPO_ROOT / "assets" / "tokenizer"
 GIB = 1024**3
@@ -173,9 +174,8 @@ class Runtime:
             [stats["reserved_bytes.all.peak"] / GIB, stats["active_bytes.all.peak"] / GIB]
         )
         peaks = {"peak_reserved_gib": round(reserved, 2), "peak_active_gib": round(active, 2)}
-        if self.cuda:  # what the device holds for this process outside the caching allocator
-            free, total = torch.cuda.mem_get_info()
-            (outside,) = self.reduce([(total - free - torch.cuda.memory_reserved()) / GIB])
+        if self.cuda:
+            (outside,) = self.reduce([outside_allocator_gib()])
             peaks["outside_allocator_gib"] = round(outside, 2)
         return peaks
 

@@ -14,7 +14,6 @@ through them with that reset disabled, to see what tuning alone leaves behind.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import time
 
@@ -22,20 +21,6 @@ import torch
 
 from titan_gdn.ops import local_memory
 from titan_gdn.ops.delta_rule import fla_op, gated_delta_rule
-
-GIB = 2**30
-
-
-def outside_allocator_gib() -> float:
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    return round((total - free - torch.cuda.memory_reserved()) / GIB, 3)
-
-
-def stack_bytes(driver) -> int:
-    value = ctypes.c_size_t()
-    driver.cuCtxGetLimit(ctypes.byref(value), 0)
-    return value.value
 
 
 def main() -> None:
@@ -47,7 +32,12 @@ def main() -> None:
     driver = local_memory._cuda_driver()
     fla_op.release_after_first_use = lambda *tensors: None  # to see what tuning leaves
     torch.zeros(1, device="cuda")
-    rows = [("start", outside_allocator_gib(), stack_bytes(driver), None)]
+
+    def reading(after: str, seconds: float | None = None) -> tuple:
+        gib = round(local_memory.outside_allocator_gib(), 3)
+        return after, gib, local_memory.stack_limit(driver), seconds
+
+    rows = [reading("start")]
     tokens, heads, dim = args.tokens, args.heads, 128
     ends = [0, 1000, 5000, min(30000, tokens - 1), tokens]
     cu_seqlens = torch.tensor(ends, dtype=torch.int32, device="cuda")
@@ -61,13 +51,9 @@ def main() -> None:
     start = time.perf_counter()
     gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend="fla").float().sum().backward()
     seconds = round(time.perf_counter() - start, 1)
-    rows.append(
-        ("delta rule forward + backward", outside_allocator_gib(), stack_bytes(driver), seconds)
-    )
+    rows.append(reading("delta rule forward + backward", seconds))
     reset = local_memory.reset_stack_limit(driver)
-    rows.append(
-        (f"stack limit reset (was {reset})", outside_allocator_gib(), stack_bytes(driver), None)
-    )
+    rows.append(reading(f"stack limit reset (was {reset})"))
     print(f"{'after':<36} {'outside allocator GiB':>22} {'stack B/thread':>15} {'s':>6}")
     for name, gib, stack, secs in rows:
         print(f"{name:<36} {gib:>22.3f} {stack:>15} {secs if secs is not None else '':>6}")

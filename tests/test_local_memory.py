@@ -2,6 +2,7 @@
 against a stand-in for the CUDA driver: the reset itself is checked on a GPU
 (tests/gpu/test_delta_rule_op_gpu.py)."""
 
+import contextlib
 import ctypes
 import logging
 
@@ -61,7 +62,7 @@ def test_each_op_and_shape_is_checked_once(monkeypatch):
     driver = FakeDriver(stack=26128)
     monkeypatch.setattr(local_memory, "_cuda_driver", lambda: driver)
     monkeypatch.setattr(local_memory, "_seen", set())
-    monkeypatch.setattr(torch.cuda, "device", lambda device: _NullContext())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     x = torch.zeros(2, 3, device="meta")
     monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
     local_memory.release_after_first_use("op", x)
@@ -72,11 +73,3 @@ def test_each_op_and_shape_is_checked_once(monkeypatch):
     assert driver.sets == [1024, 1024]
     local_memory.release_after_first_use("other_op", x)  # nothing grew since
     assert driver.sets == [1024, 1024]
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

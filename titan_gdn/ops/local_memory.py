@@ -43,27 +43,41 @@ def release_after_first_use(op: str, *tensors: torch.Tensor) -> None:
             reset_stack_limit(driver)
 
 
-def reset_stack_limit(driver) -> int | None:
-    """Set the current context's stack limit back to the default if it grew; returns the size
-    it had (bytes per thread) when it was reset, else None."""
+def outside_allocator_gib() -> float:
+    """Device memory this process holds outside PyTorch's caching allocator (CUDA context,
+    communicators, loaded kernels, local memory), assuming one process per device."""
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return (total - free - torch.cuda.memory_reserved()) / 2**30
+
+
+def stack_limit(driver) -> int | None:
+    """The current context's stack size per thread in bytes; None if it cannot be read."""
     limit = ctypes.c_size_t()
     if driver.cuCtxGetLimit(ctypes.byref(limit), _CU_LIMIT_STACK_SIZE) != 0:
         return None
-    if limit.value <= DEFAULT_STACK_BYTES:
+    return limit.value
+
+
+def reset_stack_limit(driver) -> int | None:
+    """Set the current context's stack limit back to the default if it grew; returns the size
+    it had (bytes per thread) when it was reset, else None."""
+    limit = stack_limit(driver)
+    if limit is None or limit <= DEFAULT_STACK_BYTES:
         return None
     status = driver.cuCtxSetLimit(_CU_LIMIT_STACK_SIZE, ctypes.c_size_t(DEFAULT_STACK_BYTES))
     if status != 0:
         logger.warning(
-            f"could not reset the CUDA stack limit from {limit.value} to {DEFAULT_STACK_BYTES} "
+            f"could not reset the CUDA stack limit from {limit} to {DEFAULT_STACK_BYTES} "
             f"bytes per thread (CUresult {status}): the local memory that kernel autotuning "
             "reserved stays held until the process ends"
         )
         return None
     logger.info(
-        f"kernel autotuning had raised the CUDA stack to {limit.value} bytes per thread; "
+        f"kernel autotuning had raised the CUDA stack to {limit} bytes per thread; "
         f"reset to {DEFAULT_STACK_BYTES}, which gives its local-memory reservation back"
     )
-    return limit.value
+    return limit
 
 
 @functools.cache
