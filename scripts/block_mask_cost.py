@@ -20,7 +20,7 @@ import time
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from titan_gdn.ops.attention import document_causal_block_mask
+from titan_gdn.ops.attention import document_causal_block_mask, document_causal_mask_mod
 
 
 def document_ids(seq_len: int, device: str, seed: int = 0) -> torch.Tensor:
@@ -33,10 +33,8 @@ def document_ids(seq_len: int, device: str, seed: int = 0) -> torch.Tensor:
 
 
 def reference_block_mask(ids: torch.Tensor):
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (ids[b, q_idx] == ids[b, kv_idx]) & (kv_idx <= q_idx)
-
     seq_len = ids.shape[1]
+    mask_mod = document_causal_mask_mod(ids)
     return _compiled_create_block_mask(mask_mod, 1, None, seq_len, seq_len, ids.device)
 
 

@@ -6,7 +6,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from titan_gdn.model.documents import DocumentBoundaries
-from titan_gdn.ops.attention import document_causal_block_mask
+from titan_gdn.ops.attention import document_causal_block_mask, document_causal_mask_mod
 
 EOS = 0
 FIELDS = (
@@ -34,10 +34,8 @@ def _rows(gen, batch, seq_len, lengths):
 
 
 def _reference(document_ids):
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (document_ids[b, q_idx] == document_ids[b, kv_idx]) & (kv_idx <= q_idx)
-
     batch, seq_len = document_ids.shape
+    mask_mod = document_causal_mask_mod(document_ids)
     return create_block_mask(mask_mod, batch, None, seq_len, seq_len, device="cpu")
 
 

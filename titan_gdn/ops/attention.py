@@ -28,19 +28,24 @@ def document_causal_block_mask(document_ids: torch.Tensor) -> BlockMask:
     The result equals `create_block_mask`'s (tests/test_attention_mask.py).
     """
     seq_len = document_ids.shape[1]
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        same_document = document_ids[b, q_idx] == document_ids[b, kv_idx]
-        return same_document & (kv_idx <= q_idx)
-
     partial, full = _document_causal_blocks(document_ids, BLOCK_SIZE)
     return BlockMask.from_kv_blocks(
         *_ordered(partial),
         *_ordered(full),
         BLOCK_SIZE=BLOCK_SIZE,
-        mask_mod=mask_mod,
+        mask_mod=document_causal_mask_mod(document_ids),
         seq_lengths=(seq_len, seq_len),
     )
+
+
+def document_causal_mask_mod(document_ids: torch.Tensor):
+    """flex attention's mask_mod: a query sees keys of its own document up to itself."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same_document = document_ids[b, q_idx] == document_ids[b, kv_idx]
+        return same_document & (kv_idx <= q_idx)
+
+    return mask_mod
 
 
 BLOCK_SIZE = 128  # flex attention's default sparse block
