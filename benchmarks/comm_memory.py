@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import Runtime, environment, init_runtime
-from benchmarks.references import _collective_seconds
+from benchmarks.references import collective_seconds
 from titan_gdn.ops.local_memory import outside_allocator_gib
 
 
@@ -62,7 +62,7 @@ def measure(rt: Runtime, cp: int, exchange_bytes: int) -> list[dict]:
     rows.append({"after": "meshes built", "outside_allocator_gib": outside_gib(rt)})
     for name, run in steps:
         # The warm-up call sets the communicator's connections up.
-        ms = round(_collective_seconds(run, rt, repeats=5, warmup=1) * 1000, 3)
+        ms = round(collective_seconds(run, rt, repeats=5, warmup=1) * 1000, 3)
         rows.append({"after": name, "outside_allocator_gib": outside_gib(rt), "ms": ms})
     return rows
 

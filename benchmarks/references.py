@@ -266,7 +266,7 @@ def all_to_all_probe(message_bytes: list[int], rt: Runtime, repeats: int = 20) -
         numel = max(size // 2 // rt.world_size, 1) * rt.world_size
         source = torch.randn(numel, device=rt.device).to(torch.bfloat16)
         target = torch.empty_like(source)
-        seconds = _collective_seconds(
+        seconds = collective_seconds(
             lambda s=source, t=target: dist.all_to_all_single(t, s), rt, repeats
         )
         del source, target
@@ -284,9 +284,7 @@ def all_to_all_probe(message_bytes: list[int], rt: Runtime, repeats: int = 20) -
     return results
 
 
-def _collective_seconds(
-    fn: Callable[[], None], rt: Runtime, repeats: int, warmup: int = 5
-) -> float:
+def collective_seconds(fn: Callable[[], None], rt: Runtime, repeats: int, warmup: int = 5) -> float:
     for _ in range(warmup):
         fn()
     times = []
