@@ -6,13 +6,16 @@ documents, and its metrics processor corrects the attention term at every log.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from titan_gdn.model.args import LINEAR_ATTENTION
 from titan_gdn.model.flops import (
     FORWARD_AND_BACKWARD,
     attention_flops_per_token,
     delta_rule_flops_per_token,
 )
+from titan_gdn.model.model import DecoderBlock
 
 
 def trainer_flops_per_token(model_args, model: nn.Module, seq_len: int) -> int:
@@ -49,6 +52,17 @@ def matmul_weights(model: nn.Module) -> int:
                 seen.add(id(weight))
                 total += weight.numel()
     return total
+
+
+def gdn_block_linear_weights(model_args) -> tuple[int, int]:
+    """Linear weights of a GDN decoder block: its GDN layer's projections, its MLP's."""
+    with torch.device("meta"):
+        block = DecoderBlock(model_args, LINEAR_ATTENTION)
+    return _linear_weights(block.linear_attn), _linear_weights(block.mlp)
+
+
+def _linear_weights(module: nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
 
 
 def mfu(flops_per_token: float, tokens_per_s_per_gpu: float, peak_flops: float | None):

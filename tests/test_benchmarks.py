@@ -107,12 +107,47 @@ def test_report_renders_tables_and_plots(results, tmp_path):
     assert "| debugmodel | 1 | none | 64 only | 64 |" in text  # the memory search
     assert "benchmarks.memory --flavor debugmodel" in text
     assert report.main(["--results", str(results), "--out", str(doc), "--check"]) == 0
+    # Without checkpointing each mixer's backward sends one all-to-all per direction.
+    expected_row = "| debugmodel 64 cp=2 ac=none | 2 forward, 2 backward | yes |"
+    assert f"| one all-to-all per direction {expected_row}" in text
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return  # plots are optional (the bench extra); the text is checked above
     assert (tmp_path / "benchmarks" / "throughput.png").stat().st_size > 0
     assert (tmp_path / "benchmarks" / "memory.png").stat().st_size > 0
+
+
+def test_all_to_all_target_counts_the_forwards_that_full_checkpointing_recomputes():
+    def row(ac, forward, backward):
+        a2a = {"forward_per_mixer": forward, "backward_per_mixer": backward, "sizes": []}
+        result = {"flavor": "2B", "seq_len": 8, "cp": 2, "ac": ac, "breakdown": {"all_to_all": a2a}}
+        (target,) = report._all_to_all_rows([result], probe=[])
+        return target[-1]
+
+    assert row("none", 2, 2) == "yes" and row("selective:op", 2, 2) == "yes"
+    assert row("full", 2, 4) == "yes"
+    assert row("full", 2, 2) == "no" and row("none", 2, 4) == "no" and row("full", 4, 4) == "no"
+    assert row("selective:2", 2, 3) is None  # every second block recomputes: no single count
+
+
+def test_gdn_layer_share_leaves_out_the_mlps_share_of_the_block_gemms():
+    a = report.qwen3_5_args["2B"]
+    key_dim = a.linear_num_key_heads * a.linear_key_head_dim
+    value_dim = a.linear_num_value_heads * a.linear_value_head_dim
+    # in_proj_qkv, in_proj_z, in_proj_a and in_proj_b, out_proj; the MLP's three matrices.
+    layer = (
+        a.dim * (2 * key_dim + value_dim)
+        + 2 * a.dim * value_dim
+        + 2 * a.dim * a.linear_num_value_heads
+    )
+    mlp = 3 * a.dim * a.hidden_dim
+    block_ms = {"delta_rule": 30.0, "conv": 10.0, "gemm": 100.0, "other": 10.0, "fsdp": 50.0}
+    result = {"flavor": "2B", "breakdown": {"layers_ms": {"linear_attention": block_ms}}}
+    assert report.gdn_kernel_share(result) == pytest.approx(40 / 150)
+    layer_gemm_ms = 100.0 * layer / (layer + mlp)
+    expected = 40 / (50 + layer_gemm_ms)
+    assert report.gdn_kernel_share(result, layer_only=True) == pytest.approx(expected)
 
 
 def test_committed_benchmarks_doc_is_generated_from_the_results():
