@@ -5,6 +5,7 @@
 #   scripts/gpu_validation.sh all              # everything below, in order
 #   scripts/gpu_validation.sh seed cp2 summary # single steps: gpu_tests seed cp1 cp2 fsdp debug
 #                                              #   eager16k compiled16k long08b long2b (GPU=<index>)
+#   FLAVOR=2B scripts/gpu_validation.sh seed scaling summary  # 8 GPUs: cp 1, 2, 4, 8; dp 2 x cp 4
 #   CACHE_ARCHIVE=dir scripts/gpu_validation.sh restore_caches ... save_caches
 # The seed checkpoint is deterministic (CPU init from debug.seed), so runs made on different
 # machines from their own seed start from the same weights.
@@ -23,10 +24,11 @@ CACHE_ARCHIVE=${CACHE_ARCHIVE:-./outputs/compile_caches}
 
 SEQ_CP=${SEQ_CP:-32768}
 STEPS_CP=${STEPS_CP:-50}
-BIG=(--model.flavor 0.8B --training.local_batch_size 1 --training.mixed_precision_param bfloat16
+FLAVOR=${FLAVOR:-0.8B}
+BIG=(--model.flavor "$FLAVOR" --training.local_batch_size 1 --training.mixed_precision_param bfloat16
      --activation_checkpoint.mode full --optimizer.lr 3e-4 --lr_scheduler.warmup_steps 5
      --metrics.log_freq 1)
-SEED_DIR="$RESULTS/seed"
+SEED_DIR="$RESULTS/seed_$FLAVOR"
 
 train() {  # train NAME NGPU [overrides...]
     local name=$1 ngpu=$2; shift 2
@@ -35,7 +37,7 @@ train() {  # train NAME NGPU [overrides...]
 }
 
 seed() {
-    CUDA_VISIBLE_DEVICES=0 train seed 1 "${BIG[@]}" --training.seq_len "$SEQ_CP" \
+    CUDA_VISIBLE_DEVICES=0 train "seed_$FLAVOR" 1 "${BIG[@]}" --training.seq_len "$SEQ_CP" \
         --checkpoint.enable --checkpoint.create_seed_checkpoint
 }
 
@@ -45,17 +47,26 @@ gpu_tests() {
     echo "gpu tests: exit $?"
 }
 
-cp1() {
-    CUDA_VISIBLE_DEVICES=0 train cp1_seq32k 1 "${BIG[@]}" --training.seq_len "$SEQ_CP" \
-        --training.steps "$STEPS_CP" --checkpoint.initial_load_path "$SEED_DIR/checkpoint/step-0" \
-        --checkpoint.enable --checkpoint.interval 100000
-}
-
-cp2() {
-    train cp2_seq32k 2 "${BIG[@]}" --training.seq_len "$SEQ_CP" --training.steps "$STEPS_CP" \
-        --parallelism.context_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 \
+# The same run from the seed on CP x DP GPUs (one row per dp rank): its name says the layout.
+cp_run() {  # cp_run CP DP
+    local name="cp$1_seq$((SEQ_CP / 1024))k"
+    [ "$2" = 1 ] || name="${name}_dp$2"
+    [ "$FLAVOR" = 0.8B ] || name="${FLAVOR}_$name"
+    train "$name" $(($1 * $2)) "${BIG[@]}" --training.seq_len "$SEQ_CP" \
+        --training.steps "$STEPS_CP" --parallelism.context_parallel_degree "$1" \
+        --parallelism.data_parallel_shard_degree "$2" \
         --checkpoint.initial_load_path "$SEED_DIR/checkpoint/step-0" --checkpoint.enable \
         --checkpoint.interval 100000
+}
+
+cp1() { CUDA_VISIBLE_DEVICES=0 cp_run 1 1; }
+cp2() { cp_run 2 1; }
+
+# Issue 8 (8 GPUs): loss curves at cp 2, 4, 8 against cp=1, and dp_shard 2 x cp 4 against
+# dp_shard 2 (two rows a step); `summary` compares each with its baseline.
+scaling() {
+    cp_run 1 1; cp_run 2 1; cp_run 4 1; cp_run 8 1
+    cp_run 1 2; cp_run 4 2
 }
 
 fsdp() {
@@ -109,15 +120,25 @@ restore_caches() {
 summary() {
     grep -E "^(conv|attention|model|fla|torch) |passed|failed" "$RESULTS/gpu_tests.log" | tail -12
     python scripts/summarize_runs.py $(ls "$RESULTS"/{debug_2gpu,fsdp2_seq8k,long_*}.log 2>/dev/null)
-    if [ -f "$RESULTS/cp2_seq32k.log" ]; then
-        python scripts/summarize_runs.py "$RESULTS"/{cp1_seq32k,cp2_seq32k}.log \
-            --compare "$RESULTS/cp2_seq32k.log" "$RESULTS/cp1_seq32k.log" --json "$RESULTS/summary.json"
-    fi
+    cp_summary
     if [ -f "$RESULTS/compiled_seq16k.log" ]; then
         python scripts/summarize_runs.py "$RESULTS"/{eager_seq16k,compiled_seq16k}.log \
             --compare "$RESULTS/compiled_seq16k.log" "$RESULTS/eager_seq16k.log" \
             --json "$RESULTS/compile_summary.json"
     fi
+}
+
+# Every cp run of a flavor and length against the cp=1 run with the same dp degree.
+cp_summary() {
+    local logs=() compare=() log base
+    for log in "$RESULTS"/*cp*_seq*k*.log; do
+        [ -f "$log" ] || continue
+        logs+=("$log")
+        base=$(echo "$log" | sed -E 's/cp[0-9]+_seq/cp1_seq/')
+        [ "$log" != "$base" ] && [ -f "$base" ] && compare+=(--compare "$log" "$base")
+    done
+    [ ${#compare[@]} -gt 0 ] || return 0
+    python scripts/summarize_runs.py "${logs[@]}" "${compare[@]}" --json "$RESULTS/summary.json"
 }
 
 for step in "${@:-summary}"; do "$step"; done
