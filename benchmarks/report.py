@@ -644,25 +644,62 @@ def draw_plots(results: dict, plots: dict[str, str], doc_path: Path) -> bool:
     return True
 
 
+def throughput_series(results: dict) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """Tokens/s per GPU by flavor, then configuration, as (seq_len, value) points across all
+    throughput files, so one configuration measured in several runs is one line; where runs
+    overlap, the most recent run's figure is used."""
+    latest: dict[tuple[str, str, int], tuple[str, float]] = {}
+    for _, data in results.get("throughput", []):
+        date = (data.get("environment") or {}).get("date", "")
+        points = [
+            (r, f"ours cp={r['cp']}, {r['gpus']} GPU{'s' * (r['gpus'] > 1)}, ac={r['ac']}")
+            for r in _ok(data["results"])
+        ]
+        points += [
+            (t, f"transformers, {'checkpointing' if t['gradient_checkpointing'] else 'no AC'}")
+            for t in _ok(data.get("transformers", []))
+        ]
+        for record, label in points:
+            key = (record["flavor"], label, record["seq_len"])
+            if key not in latest or latest[key][0] <= date:
+                latest[key] = (date, record["tokens_per_s_per_gpu"])
+    series: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for (flavor, label, seq_len), (_, value) in sorted(latest.items()):
+        series[flavor][label].append((seq_len, value))
+    return {flavor: dict(by_label) for flavor, by_label in series.items()}
+
+
 def _throughput_figure(plt, results: dict):
-    figure, axis = plt.subplots(figsize=(7.5, 4.5))
-    for name, data in results.get("throughput", []):
-        series = defaultdict(list)
-        for r in _ok(data["results"]):
-            series[f"{r['flavor']} cp={r['cp']} ({r['gpus']} GPUs, ac={r['ac']})"].append(
-                (r["seq_len"], r["tokens_per_s_per_gpu"])
-            )
-        for t in _ok(data.get("transformers", [])):
-            checkpointing = "ckpt" if t["gradient_checkpointing"] else "no ckpt"
-            series[f"{t['flavor']} transformers ({checkpointing})"].append(
-                (t["seq_len"], t["tokens_per_s_per_gpu"])
-            )
-        for label, points in sorted(series.items()):
-            style = "--" if "transformers" in label else "-"
-            _plot_series(axis, points, style, f"{label} [{Path(name).stem}]")
-    axis.set(xlabel="sequence length (tokens)", ylabel="tokens/s per GPU")
-    _finish_axis(axis)
+    series = throughput_series(results)
+    flavors = sorted(series, key=_flavor_size)
+    figure, axes = plt.subplots(
+        1, len(flavors), figsize=(4.2 * len(flavors) + 1.5, 4.2), squeeze=False
+    )
+    labels = sorted({label for by_label in series.values() for label in by_label})
+    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    for axis, flavor in zip(axes[0], flavors, strict=True):
+        for label, points in sorted(series[flavor].items()):
+            style = "--" if label.startswith("transformers") else "-"
+            _plot_series(axis, points, style, label, color=colors[label])
+        axis.set(title=flavor, xlabel="sequence length (tokens)", ylabel="tokens/s per GPU")
+        _finish_axis(axis, legend=False)
+    handles = {h.get_label(): h for axis in axes[0] for h in axis.get_lines()}
+    figure.legend(
+        [handles[label] for label in labels if label in handles],
+        [label for label in labels if label in handles],
+        loc="center left",
+        bbox_to_anchor=(1.0, 0.5),
+        fontsize=7,
+    )
+    figure.tight_layout()
     return figure
+
+
+def _flavor_size(flavor: str) -> float:
+    try:
+        return float(flavor.rstrip("B"))
+    except ValueError:
+        return 0.0
 
 
 def _memory_figure(plt, results: dict):
@@ -683,21 +720,22 @@ def _memory_figure(plt, results: dict):
     return figure
 
 
-def _plot_series(axis, points, style: str, label: str):
+def _plot_series(axis, points, style: str, label: str, color: str | None = None):
     if not points:
         return None
     xs, ys = zip(*sorted(points), strict=True)
-    (line,) = axis.plot(xs, ys, style, marker="o", label=label)
+    (line,) = axis.plot(xs, ys, style, marker="o", label=label, color=color)
     return line
 
 
-def _finish_axis(axis) -> None:
+def _finish_axis(axis, legend: bool = True) -> None:
     from matplotlib.ticker import FuncFormatter
 
     axis.set_xscale("log", base=2)
     axis.xaxis.set_major_formatter(FuncFormatter(_tokens_label))
     axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=7)
+    if legend:
+        axis.legend(fontsize=7)
 
 
 def _tokens_label(value, _position) -> str:

@@ -150,6 +150,31 @@ def test_gdn_layer_share_leaves_out_the_mlps_share_of_the_block_gemms():
     assert report.gdn_kernel_share(result, layer_only=True) == pytest.approx(expected)
 
 
+def test_throughput_plot_joins_a_configuration_across_runs_and_keeps_the_latest():
+    def run(date, results, transformers=()):
+        env = {"date": date}
+        return {"environment": env, "results": results, "transformers": list(transformers)}
+
+    def ours(seq_len, value, cp=1, gpus=1):
+        fields = {"flavor": "2B", "seq_len": seq_len, "cp": cp, "gpus": gpus, "ac": "full"}
+        return {**fields, "status": "ok", "tokens_per_s_per_gpu": value}
+
+    theirs = {"flavor": "2B", "seq_len": 16, "gradient_checkpointing": False, "status": "ok"}
+    files = [
+        ("b.json", run("2026-11-30 02:00 UTC", [ours(16, 2.0), ours(32, 3.0, cp=2, gpus=2)])),
+        ("a.json", run("2026-11-30 01:00 UTC", [ours(16, 1.0), ours(64, 4.0)])),
+        ("c.json", run("2026-11-29 23:00 UTC", [], [{**theirs, "tokens_per_s_per_gpu": 5.0}])),
+    ]
+    series = report.throughput_series({"throughput": files})
+    assert series == {
+        "2B": {
+            "ours cp=1, 1 GPU, ac=full": [(16, 2.0), (64, 4.0)],
+            "ours cp=2, 2 GPUs, ac=full": [(32, 3.0)],
+            "transformers, no AC": [(16, 5.0)],
+        }
+    }
+
+
 def test_committed_benchmarks_doc_is_generated_from_the_results():
     assert report.main(["--check"]) == 0, "run python -m benchmarks.report"
 
