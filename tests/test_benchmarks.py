@@ -80,6 +80,7 @@ def test_throughput_json_has_every_configuration_and_reference(results):
     assert [r["gradient_checkpointing"] for r in references] == [False, True]
     assert all(r["status"] == "ok" and r["tokens_per_s_per_gpu"] > 0 for r in references)
     assert [k["cp"] for k in data["kernel"]] == [1, 2]
+    assert all(k["measure"] == "wall time" for k in data["kernel"])  # no GPU kernels on CPU
     assert (
         data["kernel"][1]["shape"]["value_heads"] * 2 == data["kernel"][0]["shape"]["value_heads"]
     )
@@ -173,6 +174,14 @@ def test_throughput_plot_joins_a_configuration_across_runs_and_keeps_the_latest(
             "transformers, no AC": [(16, 5.0)],
         }
     }
+
+
+def test_kernel_ceiling_counts_the_forward_that_full_checkpointing_recomputes():
+    kernel = {"status": "ok", "layers": 18, "forward_ms": 2.0, "forward_backward_ms": 6.0}
+    assert report.kernel_ceiling_ms({**kernel, "ac": "full"}) == 18 * (6.0 + 2.0)
+    assert report.kernel_ceiling_ms({**kernel, "ac": "none"}) == 18 * 6.0
+    assert report.kernel_ceiling_ms({**kernel, "ac": "selective:op"}) == 18 * 6.0
+    assert report.kernel_ceiling_ms({**kernel, "ac": "full", "status": "oom"}) is None
 
 
 def test_committed_benchmarks_doc_is_generated_from_the_results():
