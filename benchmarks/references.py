@@ -283,22 +283,37 @@ def all_to_all_probe(message_bytes: list[int], rt: Runtime, repeats: int = 20) -
         numel = max(size // 2 // rt.world_size, 1) * rt.world_size
         source = torch.randn(numel, device=rt.device).to(torch.bfloat16)
         target = torch.empty_like(source)
-        seconds = collective_seconds(
-            lambda s=source, t=target: dist.all_to_all_single(t, s), rt, repeats
-        )
-        del source, target
+        call = lambda s=source, t=target: dist.all_to_all_single(t, s)  # noqa: E731
+        seconds = collective_seconds(call, rt, repeats)
         sent = numel * 2
-        results.append(
-            {
-                "bytes": sent,
-                "median_ms": round(seconds * 1000, 4),
-                "gb_per_s": round(sent / seconds / 1e9, 2),
-                "bus_gb_per_s": round(
-                    sent / seconds / 1e9 * (rt.world_size - 1) / rt.world_size, 2
-                ),
-            }
-        )
+        record = {
+            "bytes": sent,
+            "median_ms": round(seconds * 1000, 4),
+            "gb_per_s": round(sent / seconds / 1e9, 2),
+            "bus_gb_per_s": round(sent / seconds / 1e9 * (rt.world_size - 1) / rt.world_size, 2),
+        }
+        if rt.cuda:  # the measure of the mixers' all-to-alls in the step breakdown
+            kernel_s = _median_kernel_seconds(call, rt, repeats)
+            record["kernel_ms"] = round(kernel_s * 1000, 4)
+            record["kernel_gb_per_s"] = round(sent / kernel_s / 1e9, 2)
+        del source, target
+        results.append(record)
     return results
+
+
+def _median_kernel_seconds(fn: Callable[[], None], rt: Runtime, repeats: int) -> float:
+    """The median duration of the kernels of `repeats` back-to-back calls (one NCCL kernel
+    each), slowest rank: without the host's launch and synchronization, which wall time
+    holds and the kernel times of the training step do not."""
+    rt.barrier()
+    rt.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(repeats):
+            fn()
+        rt.synchronize()
+    durations = [e.time_range.elapsed_us() for e in device_work(prof.events())]
+    return rt.reduce([statistics.median(durations) / 1e6])[0]
 
 
 def collective_seconds(fn: Callable[[], None], rt: Runtime, repeats: int, warmup: int = 5) -> float:

@@ -176,6 +176,14 @@ def test_throughput_plot_joins_a_configuration_across_runs_and_keeps_the_latest(
     }
 
 
+def test_bandwidth_target_compares_kernel_time_with_kernel_time_when_the_probe_has_it():
+    size = {"bytes": 1024, "gb_per_s": 400.0}
+    wall_only = [{"bytes": 1024, "gb_per_s": 320.0}]
+    assert report._bandwidth_share(size, wall_only) == pytest.approx(1.25)
+    both = [{**wall_only[0], "kernel_gb_per_s": 500.0}]
+    assert report._bandwidth_share(size, both) == pytest.approx(0.8)
+
+
 def test_kernel_ceiling_counts_the_forward_that_full_checkpointing_recomputes():
     kernel = {"status": "ok", "layers": 18, "forward_ms": 2.0, "forward_backward_ms": 6.0}
     assert report.kernel_ceiling_ms({**kernel, "ac": "full"}) == 18 * (6.0 + 2.0)
