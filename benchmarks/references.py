@@ -260,14 +260,18 @@ def _kernel_ms(fn: Callable[[], None], rt: Runtime, repeats: int, warmup: int = 
     indices from cu_seqlens on every call, with host syncs; the model once a step)."""
     for _ in range(warmup):  # the first calls autotune and compile
         fn()
+    return round(sum(_kernel_durations_us(fn, rt, repeats)) / repeats / 1000, 4)
+
+
+def _kernel_durations_us(fn: Callable[[], None], rt: Runtime, repeats: int) -> list[float]:
+    """The durations of the GPU kernels that `repeats` back-to-back calls launch."""
     rt.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(repeats):
             fn()
         rt.synchronize()
-    kernel_us = sum(e.time_range.elapsed_us() for e in device_work(prof.events()))
-    return round(kernel_us / repeats / 1000, 4)
+    return [e.time_range.elapsed_us() for e in device_work(prof.events())]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,17 +306,11 @@ def all_to_all_probe(message_bytes: list[int], rt: Runtime, repeats: int = 20) -
 
 
 def _median_kernel_seconds(fn: Callable[[], None], rt: Runtime, repeats: int) -> float:
-    """The median duration of the kernels of `repeats` back-to-back calls (one NCCL kernel
-    each), slowest rank: without the host's launch and synchronization, which wall time
-    holds and the kernel times of the training step do not."""
+    """The median duration of the NCCL kernel (one per call), slowest rank: without the
+    host's launch and synchronization, which wall time holds and the kernel times of the
+    training step do not."""
     rt.barrier()
-    rt.synchronize()
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(repeats):
-            fn()
-        rt.synchronize()
-    durations = [e.time_range.elapsed_us() for e in device_work(prof.events())]
+    durations = _kernel_durations_us(fn, rt, repeats)
     return rt.reduce([statistics.median(durations) / 1e6])[0]
 
 
