@@ -57,7 +57,8 @@ def find_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
 def _gap(gap_start: float, after: dict, launches: dict, cpu_ops: list[dict]) -> dict:
     launch = launches.get(after.get("args", {}).get("correlation"))
     late = launch is not None and launch["ts"] > gap_start
-    host_op = _innermost(cpu_ops, launch) if launch is not None else None
+    # Only a late launch has a host op to blame; the search scans every CPU op.
+    host_op = _innermost(cpu_ops, launch) if late else None
     return {
         "start_us": gap_start,
         "us": round(after["ts"] - gap_start, 3),
