@@ -720,10 +720,11 @@ def _throughput_figure(plt, results: dict):
             _plot_series(axis, points, style, label, color=colors[label])
         axis.set(title=flavor, xlabel="sequence length (tokens)", ylabel="tokens/s per GPU")
         _finish_axis(axis, legend=False)
+    # Every label has a line in some panel; one legend entry each, in one order.
     handles = {h.get_label(): h for axis in axes[0] for h in axis.get_lines()}
     figure.legend(
-        [handles[label] for label in labels if label in handles],
-        [label for label in labels if label in handles],
+        [handles[label] for label in labels],
+        labels,
         loc="center left",
         bbox_to_anchor=(1.0, 0.5),
         fontsize=7,
