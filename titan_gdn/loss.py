@@ -47,7 +47,9 @@ def chunk_loss_and_grad(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, need_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Summed cross-entropy of one chunk and d(loss)/d(logits), as torchtitan computes the
-    loss: logits in the parameters' dtype, upcast to fp32."""
+    loss: logits in the parameters' dtype, upcast to fp32. The gradient comes back in the
+    hidden states' dtype, the one its matmuls take: cast here, a compiled step writes only
+    that, not the fp32 gradient as well."""
     logits = (hidden @ weight.T).float()
     lse = torch.logsumexp(logits, dim=-1)
     valid = labels != IGNORE_INDEX
@@ -57,7 +59,7 @@ def chunk_loss_and_grad(
         return loss, None
     grad = (logits - lse.unsqueeze(1)).exp_()
     grad.scatter_add_(1, target, torch.full_like(lse, -1.0).unsqueeze(1))
-    return loss, grad.mul_(valid.unsqueeze(1))
+    return loss, grad.mul_(valid.unsqueeze(1)).to(hidden.dtype)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -73,7 +75,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h = hidden[rows]
             loss, grad_logits = step(h, weight, labels[rows], True)
             total += loss
-            grad_logits = grad_logits.to(hidden.dtype)
             if want_h:
                 torch.mm(grad_logits, weight, out=grad_h[rows])
             if want_w and grad_w.dtype == h.dtype:
