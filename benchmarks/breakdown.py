@@ -270,7 +270,7 @@ def _kernel_samples(events, cpu_ops):
                 yield kernel.name, op, kernel.duration
     # Work launched outside any op is in no list; the lists name no event, so what is left
     # over is told by name and duration. It counts by its name alone.
-    for e in _device_work(events):
+    for e in device_work(events):
         us = e.time_range.elapsed_us()
         if attached[e.name, us]:
             attached[e.name, us] -= 1
@@ -290,7 +290,7 @@ def _launches_kernels(op) -> bool:
     return not (op.is_async or op.is_legacy or op.is_user_annotation or _CUDA_API.match(op.name))
 
 
-def _device_work(events):
+def device_work(events):
     # A profiler range's span on the device runs from its first kernel to its last, gaps too.
     return [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
 
@@ -301,7 +301,7 @@ def _self_time_samples(cpu_ops):
 
 
 def _union_us(events) -> float:
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in _device_work(events))
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in device_work(events))
     total, end = 0.0, float("-inf")
     for start, stop in intervals:
         if stop > end:

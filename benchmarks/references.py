@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from benchmarks.breakdown import device_work
 from benchmarks.common import Runtime, guarded, median, timed_steps
 
 # ---------------------------------------------------------------------------------------------
@@ -195,17 +196,16 @@ def delta_rule_kernel(
         def forward_backward():
             kernel(*inputs, cu).backward(grad)
 
+        timer = _kernel_ms if rt.cuda else _median_ms
         return {
             "backend": backend,
-            "forward_ms": _median_ms(forward, rt, repeats),
-            "forward_backward_ms": _median_ms(forward_backward, rt, repeats),
+            "measure": "GPU kernel time" if rt.cuda else "wall time",
+            "forward_ms": timer(forward, rt, repeats),
+            "forward_backward_ms": timer(forward_backward, rt, repeats),
         }
 
     layers = model_args.layer_types.count("linear_attention")
-    record = {"shape": shape, "layers": layers, **guarded(rt, work)}
-    if record["status"] == "ok":
-        record["per_step_ms"] = round(record["forward_backward_ms"] * layers, 3)
-    return record
+    return {"shape": shape, "layers": layers, **guarded(rt, work)}
 
 
 def _delta_rule_function(cuda: bool):
@@ -253,6 +253,27 @@ def _median_ms(fn: Callable[[], None], rt: Runtime, repeats: int, warmup: int = 
     return round(statistics.median(times) * 1000, 4)
 
 
+def _kernel_ms(fn: Callable[[], None], rt: Runtime, repeats: int, warmup: int = 3) -> float:
+    """GPU kernel time of one call: the durations of the kernels it launches, summed as the
+    step breakdown sums the model's delta-rule kernels, averaged over `repeats` calls. Wall
+    time would add host work that the model does not repeat per layer (FLA derives its chunk
+    indices from cu_seqlens on every call, with host syncs; the model once a step)."""
+    for _ in range(warmup):  # the first calls autotune and compile
+        fn()
+    return round(sum(_kernel_durations_us(fn, rt, repeats)) / repeats / 1000, 4)
+
+
+def _kernel_durations_us(fn: Callable[[], None], rt: Runtime, repeats: int) -> list[float]:
+    """The durations of the GPU kernels that `repeats` back-to-back calls launch."""
+    rt.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(repeats):
+            fn()
+        rt.synchronize()
+    return [e.time_range.elapsed_us() for e in device_work(prof.events())]
+
+
 # ---------------------------------------------------------------------------------------------
 # NCCL all-to-all bandwidth
 
@@ -266,22 +287,31 @@ def all_to_all_probe(message_bytes: list[int], rt: Runtime, repeats: int = 20) -
         numel = max(size // 2 // rt.world_size, 1) * rt.world_size
         source = torch.randn(numel, device=rt.device).to(torch.bfloat16)
         target = torch.empty_like(source)
-        seconds = collective_seconds(
-            lambda s=source, t=target: dist.all_to_all_single(t, s), rt, repeats
-        )
-        del source, target
+        call = lambda s=source, t=target: dist.all_to_all_single(t, s)  # noqa: E731
+        seconds = collective_seconds(call, rt, repeats)
         sent = numel * 2
-        results.append(
-            {
-                "bytes": sent,
-                "median_ms": round(seconds * 1000, 4),
-                "gb_per_s": round(sent / seconds / 1e9, 2),
-                "bus_gb_per_s": round(
-                    sent / seconds / 1e9 * (rt.world_size - 1) / rt.world_size, 2
-                ),
-            }
-        )
+        record = {
+            "bytes": sent,
+            "median_ms": round(seconds * 1000, 4),
+            "gb_per_s": round(sent / seconds / 1e9, 2),
+            "bus_gb_per_s": round(sent / seconds / 1e9 * (rt.world_size - 1) / rt.world_size, 2),
+        }
+        if rt.cuda:  # the measure of the mixers' all-to-alls in the step breakdown
+            kernel_s = _median_kernel_seconds(call, rt, repeats)
+            record["kernel_ms"] = round(kernel_s * 1000, 4)
+            record["kernel_gb_per_s"] = round(sent / kernel_s / 1e9, 2)
+        del source, target
+        results.append(record)
     return results
+
+
+def _median_kernel_seconds(fn: Callable[[], None], rt: Runtime, repeats: int) -> float:
+    """The median duration of the NCCL kernel (one per call), slowest rank: without the
+    host's launch and synchronization, which wall time holds and the kernel times of the
+    training step do not."""
+    rt.barrier()
+    durations = _kernel_durations_us(fn, rt, repeats)
+    return rt.reduce([statistics.median(durations) / 1e6])[0]
 
 
 def collective_seconds(fn: Callable[[], None], rt: Runtime, repeats: int, warmup: int = 5) -> float:

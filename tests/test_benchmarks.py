@@ -80,6 +80,7 @@ def test_throughput_json_has_every_configuration_and_reference(results):
     assert [r["gradient_checkpointing"] for r in references] == [False, True]
     assert all(r["status"] == "ok" and r["tokens_per_s_per_gpu"] > 0 for r in references)
     assert [k["cp"] for k in data["kernel"]] == [1, 2]
+    assert all(k["measure"] == "wall time" for k in data["kernel"])  # no GPU kernels on CPU
     assert (
         data["kernel"][1]["shape"]["value_heads"] * 2 == data["kernel"][0]["shape"]["value_heads"]
     )
