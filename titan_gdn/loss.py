@@ -3,8 +3,9 @@
 torchtitan's trainer calls ``loss_fn(model(inputs, ...), labels)`` and never hands the model to
 the loss. So in training the model returns `OutputHidden` (final hidden states and its output
 projection) instead of logits, and the loss computes the logits a token chunk at a time. The
-gradients w.r.t. the hidden states and the output weight are computed chunk by chunk in the
-forward pass, so neither pass keeps more than one chunk of logits alive.
+gradients w.r.t. the hidden states and the output weight are computed in the forward pass, so
+neither pass keeps more than one chunk of logits alive: d(loss)/d(logits) of a few chunks is
+gathered into one buffer and meets the weight and the hidden states in one GEMM each.
 """
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_loss
 from torchtitan.tools.logging import logger
+
+# Chunks whose d(loss)/d(logits) share one pair of gradient GEMMs. Each weight-gradient GEMM
+# is followed by a separate fp32 add over the whole [vocab, dim] gradient (a bf16 GEMM cannot
+# accumulate into fp32 in torch 2.11): 6 GB of memory traffic at Qwen3.5's vocabulary and dim
+# 2048. One per 4 chunks takes a quarter of that traffic, for a [4 x chunk, vocab] buffer in
+# the hidden states' dtype (2 GB at 1,024-token chunks, 0.5 GB more than one chunk's fp32
+# gradient and its cast held before).
+CHUNKS_PER_GRADIENT_GEMM = 4
 
 
 @dataclass
@@ -44,22 +53,22 @@ class OutputHidden:
 
 
 def chunk_loss_and_grad(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, need_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Summed cross-entropy of one chunk and d(loss)/d(logits), as torchtitan computes the
-    loss: logits in the parameters' dtype, upcast to fp32. The gradient comes back in the
-    hidden states' dtype, the one its matmuls take: cast here, a compiled step writes only
-    that, not the fp32 gradient as well."""
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, grad_out: torch.Tensor | None
+) -> torch.Tensor:
+    """Summed cross-entropy of one chunk, as torchtitan computes the loss: logits in the
+    parameters' dtype, upcast to fp32. With `grad_out`, d(loss)/d(logits) is written into it,
+    in its dtype (the hidden states', the one the gradient GEMMs take): compiled, the fp32
+    gradient is never written, only that."""
     logits = (hidden @ weight.T).float()
     lse = torch.logsumexp(logits, dim=-1)
     valid = labels != IGNORE_INDEX
     target = torch.where(valid, labels, 0).unsqueeze(1)
     loss = torch.where(valid, lse - logits.gather(1, target).squeeze(1), 0.0).sum()
-    if not need_grad:
-        return loss, None
-    grad = (logits - lse.unsqueeze(1)).exp_()
-    grad.scatter_add_(1, target, torch.full_like(lse, -1.0).unsqueeze(1))
-    return loss, grad.mul_(valid.unsqueeze(1)).to(hidden.dtype)
+    if grad_out is not None:
+        grad = (logits - lse.unsqueeze(1)).exp_()
+        grad.scatter_add_(1, target, torch.full_like(lse, -1.0).unsqueeze(1))
+        grad_out.copy_(grad.mul_(valid.unsqueeze(1)))
+    return loss
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -67,20 +76,24 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, chunk_tokens, step):
         want_h, want_w = ctx.needs_input_grad[:2]
         grad_h = torch.empty_like(hidden) if want_h else None
-        # fp32 accumulation: a sum of per-chunk products in bf16 would lose the small ones.
+        # fp32 accumulation: a sum of per-group products in bf16 would lose the small ones.
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        group_tokens = chunk_tokens * CHUNKS_PER_GRADIENT_GEMM
+        grad_logits = hidden.new_empty((min(group_tokens, hidden.shape[0]), weight.shape[0]))
         total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            h = hidden[rows]
-            loss, grad_logits = step(h, weight, labels[rows], True)
-            total += loss
+        for group_start in range(0, hidden.shape[0], group_tokens):
+            h = hidden[group_start : group_start + group_tokens]
+            y = labels[group_start : group_start + group_tokens]
+            g = grad_logits[: h.shape[0]]
+            for s in range(0, h.shape[0], chunk_tokens):
+                rows = slice(s, s + chunk_tokens)
+                total += step(h[rows], weight, y[rows], g[rows])
             if want_h:
-                torch.mm(grad_logits, weight, out=grad_h[rows])
+                torch.mm(g, weight, out=grad_h[group_start : group_start + h.shape[0]])
             if want_w and grad_w.dtype == h.dtype:
-                grad_w.addmm_(grad_logits.T, h)
+                grad_w.addmm_(g.T, h)
             elif want_w:
-                grad_w += grad_logits.T @ h
+                grad_w += g.T @ h
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return total
@@ -113,7 +126,7 @@ def chunked_cross_entropy(
     if needs_grad:
         return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, step)
     losses = [
-        step(hidden[s : s + chunk_tokens], weight, labels[s : s + chunk_tokens], False)[0]
+        step(hidden[s : s + chunk_tokens], weight, labels[s : s + chunk_tokens], None)
         for s in range(0, hidden.shape[0], chunk_tokens)
     ]
     return torch.stack(losses).sum()
