@@ -65,9 +65,12 @@ def chunk_loss_and_grad(
     target = torch.where(valid, labels, 0).unsqueeze(1)
     loss = torch.where(valid, lse - logits.gather(1, target).squeeze(1), 0.0).sum()
     if grad_out is not None:
-        grad = (logits - lse.unsqueeze(1)).exp_()
-        grad.scatter_add_(1, target, torch.full_like(lse, -1.0).unsqueeze(1))
-        grad_out.copy_(grad.mul_(valid.unsqueeze(1)))
+        # softmax - one_hot(target) as one element-wise expression, not a scatter: compiled,
+        # it is one kernel from the logits to `grad_out`, with no fp32 gradient in between.
+        probs = (logits - lse.unsqueeze(1)).exp()
+        is_target = torch.arange(logits.shape[1], device=logits.device) == target
+        grad = torch.where(is_target, probs - 1.0, probs)
+        grad_out.copy_(torch.where(valid.unsqueeze(1), grad, 0.0))
     return loss
 
 
