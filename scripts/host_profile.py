@@ -1,0 +1,130 @@
+"""How much of a training step the host takes: the benchmark's training step, timed twice.
+
+- `step`: from the call to the device finishing (synchronized before and after);
+- `host`: from the call until it returns, with the device never waited on inside the step:
+  when the host is ahead, this is well below `step`; when `host` is close to `step`, the GPU
+  has been waiting for launches (the step is host-bound).
+
+Then cProfile tables (by own time and by cumulative time) of one step's host work: the main
+thread (forward, loss, optimizer) and, in a separate step, autograd's device thread, where
+backward runs on a GPU (Python 3.12 allows one profiler at a time).
+
+    torchrun --standalone --nproc_per_node 1 scripts/host_profile.py --flavor 0.8B \\
+        --seq-len 8192 --ac full --out host_profile.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import common
+
+WARMUP_STEPS = 3
+
+
+class _ProfileBackward(torch.autograd.Function):
+    """Identity whose backward, the first node backward runs, turns a profiler on in the
+    thread that runs backward, and off when backward ends."""
+
+    @staticmethod
+    def forward(ctx, loss, profiler):
+        ctx.profiler = profiler
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.profiler.enable()
+        torch.autograd.Variable._execution_engine.queue_callback(ctx.profiler.disable)
+        return grad, None
+
+
+def _sync(rt: common.Runtime) -> None:
+    if rt.cuda:
+        torch.cuda.synchronize()
+
+
+def _tables(profiler: cProfile.Profile, title: str, rows: int) -> str:
+    text = io.StringIO()
+    text.write(f"=== {title} ===\n")
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    return text.getvalue()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--flavor", default="0.8B")
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--ac", default="full")
+    parser.add_argument("--compile-backend", default="auto", help="as benchmarks.throughput's")
+    parser.add_argument("--rows", type=int, default=45, help="lines per cProfile table")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    common.prepare_environment()
+    rt = common.init_runtime(timeout_s=600)
+    tokenizer = common.load_tokenizer()
+    run = common.RunConfig(args.flavor, args.seq_len, args.cp, args.ac)
+    batches = common.make_batches(
+        "corpus",
+        tokenizer,
+        args.seq_len,
+        WARMUP_STEPS + 4,
+        common.dp_rank(rt, args.cp),
+        rt.world_size // args.cp,
+        seed=0,
+    )
+    opts = common.Options(compile_backend=args.compile_backend)
+    training = common.build_training(run, opts, rt, tokenizer)
+    steps = iter(batches)
+
+    def step():
+        inputs, labels = next(steps)
+        return common.train_step(training, inputs.to(rt.device), labels.to(rt.device))
+
+    for _ in range(WARMUP_STEPS):
+        step()
+    _sync(rt)
+    start = time.perf_counter()
+    step()
+    host_s = time.perf_counter() - start
+    _sync(rt)
+    step_s = time.perf_counter() - start
+
+    main_thread = cProfile.Profile()
+    main_thread.enable()
+    step()
+    _sync(rt)
+    main_thread.disable()
+    backward = cProfile.Profile()
+    loss_fn = training.loss_fn
+    training.loss_fn = lambda pred, labels: _ProfileBackward.apply(loss_fn(pred, labels), backward)
+    step()
+    _sync(rt)
+
+    report = (
+        f"{run.label()}: step {step_s * 1e3:.1f} ms, host until the step returns "
+        f"{host_s * 1e3:.1f} ms ({100 * host_s / step_s:.0f}%)\n\n"
+        + _tables(
+            main_thread, "main thread: forward, loss, optimizer (backward if on CPU)", args.rows
+        )
+        + _tables(backward, "backward (autograd's device thread on a GPU)", args.rows)
+    )
+    if rt.rank == 0:
+        args.out.write_text(report)
+        print(report.splitlines()[0])
+
+
+if __name__ == "__main__":
+    main()
