@@ -5,9 +5,13 @@
   when the host is ahead, this is well below `step`; when `host` is close to `step`, the GPU
   has been waiting for launches (the step is host-bound).
 
-Then cProfile tables (by own time and by cumulative time) of one step's host work: the main
-thread (forward, loss, optimizer) and, in a separate step, autograd's device thread, where
-backward runs on a GPU (Python 3.12 allows one profiler at a time).
+Then where the host's time goes, two ways: a sampled profile of a few steps (every thread's
+Python stack read every millisecond: by innermost function and by every function on the
+stack, per thread; a thread waiting, the main one in backward for instance, counts where it
+waits), and cProfile tables of one step, by own and by cumulative time: the main thread
+(forward, loss, optimizer) and, in a separate step, autograd's device thread, where backward
+runs on a GPU (Python 3.12 allows one profiler at a time, and its call counts are exact where
+its times are not: it counted the custom ops' bodies twice).
 
     torchrun --standalone --nproc_per_node 1 scripts/host_profile.py --flavor 0.8B \\
         --seq-len 8192 --ac full --out host_profile.txt
@@ -19,7 +23,10 @@ import argparse
 import cProfile
 import io
 import pstats
+import sys
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -27,6 +34,57 @@ import torch
 from benchmarks import common
 
 WARMUP_STEPS = 3
+SAMPLED_STEPS = 3
+
+
+class StackSampler(threading.Thread):
+    """Counts, per thread, the innermost Python function and every function on the stack of
+    every other thread, every `interval_s` (a sample waits for the GIL when C code holds it)."""
+
+    def __init__(self, interval_s: float = 0.001):
+        super().__init__(daemon=True)
+        self.interval_s = interval_s
+        self.innermost: dict[str, Counter] = {}
+        self.on_stack: dict[str, Counter] = {}
+        self.samples: Counter = Counter()
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        names = {}
+        while not self._stop_event.wait(self.interval_s):
+            for ident, frame in sys._current_frames().items():
+                if ident == self.ident:
+                    continue
+                if ident not in names:
+                    thread = next((t for t in threading.enumerate() if t.ident == ident), None)
+                    names[ident] = thread.name if thread else f"thread {ident}"
+                name = names[ident]
+                self.samples[name] += 1
+                self.innermost.setdefault(name, Counter())[_where(frame)] += 1
+                seen = set()
+                while frame is not None:
+                    seen.add(_where(frame))
+                    frame = frame.f_back
+                self.on_stack.setdefault(name, Counter()).update(seen)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+    def report(self, rows: int) -> str:
+        lines = [f"=== sampled: every {self.interval_s * 1e3:g} ms, by thread ==="]
+        for name, total in self.samples.most_common():
+            lines.append(f"--- {name}: {total} samples; innermost function, then on the stack")
+            for counter in (self.innermost[name], self.on_stack[name]):
+                for where, count in counter.most_common(rows):
+                    lines.append(f"{100 * count / total:6.1f}%  {where}")
+                lines.append("")
+        return "\n".join(lines) + "\n"
+
+
+def _where(frame) -> str:
+    code = frame.f_code
+    return f"{code.co_filename}:{code.co_firstlineno}({code.co_name})"
 
 
 class _ProfileBackward(torch.autograd.Function):
@@ -80,7 +138,7 @@ def main(argv=None) -> None:
         "corpus",
         tokenizer,
         args.seq_len,
-        WARMUP_STEPS + 4,
+        WARMUP_STEPS + SAMPLED_STEPS + 4,
         common.dp_rank(rt, args.cp),
         rt.world_size // args.cp,
         seed=0,
@@ -102,6 +160,16 @@ def main(argv=None) -> None:
     _sync(rt)
     step_s = time.perf_counter() - start
 
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # the sampler gets the GIL between bytecodes sooner
+    sampler = StackSampler()
+    sampler.start()
+    for _ in range(SAMPLED_STEPS):
+        step()
+    _sync(rt)
+    sampler.stop()
+    sys.setswitchinterval(switch_interval)
+
     main_thread = cProfile.Profile()
     main_thread.enable()
     step()
@@ -116,6 +184,7 @@ def main(argv=None) -> None:
     report = (
         f"{run.label()}: step {step_s * 1e3:.1f} ms, host until the step returns "
         f"{host_s * 1e3:.1f} ms ({100 * host_s / step_s:.0f}%)\n\n"
+        + sampler.report(args.rows)
         + _tables(
             main_thread, "main thread: forward, loss, optimizer (backward if on CPU)", args.rows
         )

@@ -20,7 +20,9 @@ def test_host_profile_times_the_step_and_profiles_forward_and_backward(tmp_path)
         float, re.search(r"step ([\d.]+) ms, host .* ([\d.]+) ms", text).groups()
     )
     assert 0 < host_ms <= step_ms
-    main, backward = text.split("=== backward")
+    sampled, profiled = text.split("=== main thread")
+    assert "--- MainThread:" in sampled and "(train_step)" in sampled
+    main, backward = profiled.split("=== backward")
     # Each profile holds its part of the step: the ops' backward runs in the second.
     assert "custom_op.py:" in backward and "(backward_impl)" in backward
     assert "(train_step)" in main
