@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -465,16 +465,23 @@ def train_step(t: Training, inputs: torch.Tensor, labels: torch.Tensor) -> torch
     return loss.detach()
 
 
+class TimedSteps(NamedTuple):
+    seconds: list[float]  # each timed step, synchronized before and after; slowest rank
+    host_seconds: list[float]  # until the step's call returned; slowest rank
+    losses: list[torch.Tensor]  # every step's, warm-up included
+
+
 def timed_steps(
     rt: Runtime, step: Callable[[int], torch.Tensor], warmup: int, steps: int
-) -> tuple[list[float], list[torch.Tensor]]:
-    """Run `warmup` then `steps` steps; the timed steps' seconds (slowest rank per step) and
-    every step's loss. Peak memory counts from the first timed step.
+) -> TimedSteps:
+    """Run `warmup` then `steps` steps and time the timed ones. Peak memory counts from the
+    first timed step. A step's host time ends when its call returns, when the host has
+    launched all of it: close to the step time, the GPU waited for the host.
 
     Python's collector is paused while timing, as torchtitan's trainer does, so a collection
     does not land in one step at random.
     """
-    seconds, losses = [], []
+    seconds, host_seconds, losses = [], [], []
     gc.collect()
     gc.disable()
     try:
@@ -484,12 +491,14 @@ def timed_steps(
             rt.synchronize()
             start = time.perf_counter()
             losses.append(step(index))
+            returned = time.perf_counter()
             rt.synchronize()
             if index >= warmup:
                 seconds.append(time.perf_counter() - start)
+                host_seconds.append(returned - start)
     finally:
         gc.enable()
-    return rt.reduce(seconds), losses
+    return TimedSteps(rt.reduce(seconds), rt.reduce(host_seconds), losses)
 
 
 def global_losses(rt: Runtime, losses: list[torch.Tensor]) -> list[float]:

@@ -339,7 +339,7 @@ def _train(run, opts, rt) -> dict:
             inputs, labels = (x.to(rt.device) for x in batches[index])
             return common.train_step(training, inputs, labels)
 
-        seconds, losses = common.timed_steps(rt, step, opts.warmup, opts.steps)
+        seconds, _, losses = common.timed_steps(rt, step, opts.warmup, opts.steps)
         step_time = common.median(seconds)
         return {
             "step_time_s": step_time,

@@ -46,7 +46,7 @@ def transformers_reference(
             optimizer.zero_grad(set_to_none=True)
             return loss.detach()
 
-        seconds, losses = timed_steps(_LocalRuntime(rt), step, warmup, steps)
+        seconds, _, losses = timed_steps(_LocalRuntime(rt), step, warmup, steps)
         return {
             "step_time_s": median(seconds),
             "step_times_s": seconds,

@@ -133,7 +133,9 @@ def _throughput_section(files: list[tuple[str, dict]], plot: str | None) -> list
         "every rank's tokens. MFU uses the trainer's FLOP count (`titan_gdn/model/flops.py`: "
         "attention over the whole row); MFU (documents) counts attention within each document "
         "and the delta rule as FLA computes it (`benchmarks/flop_count.py`). cp=1 with N "
-        "processes is N-way data parallel (FSDP).",
+        "processes is N-way data parallel (FSDP). host: the time until the step's call "
+        "returns (the host has launched all of it) over the step time; near 100%, the GPU "
+        "waited for the host's launches.",
         "",
     ]
     if plot:
@@ -164,6 +166,7 @@ def _results_table(data: dict) -> list[str]:
                 r["status"],
                 r.get("documents_per_row"),
                 _seconds(r.get("step_time_s")),
+                _pct(_host_share(r)),
                 r.get("tokens_per_s_per_gpu"),
                 _pct(r.get("mfu")),
                 _pct(r.get("mfu_documents")),
@@ -172,9 +175,14 @@ def _results_table(data: dict) -> list[str]:
             ]
         )
     headings = ["flavor", "seq_len", "GPUs", "cp", "dp", "options", "status", "docs/row"]
-    headings += ["step (s)", "tokens/s/GPU", "MFU", "MFU (documents)"]
+    headings += ["step (s)", "host", "tokens/s/GPU", "MFU", "MFU (documents)"]
     headings += ["peak reserved GiB", "peak active GiB"]
     return table(headings, rows)
+
+
+def _host_share(result: dict) -> float | None:
+    host, step = result.get("host_time_s"), result.get("step_time_s")
+    return None if host is None or not step else host / step
 
 
 def _seconds(value) -> str | None:

@@ -137,10 +137,11 @@ def measure(run: RunConfig, state: Run) -> dict:
             inputs, labels = batches[index]
             return common.train_step(training, inputs.to(rt.device), labels.to(rt.device))
 
-        seconds, losses = common.timed_steps(rt, step, opts.warmup, opts.steps)
+        seconds, host_seconds, losses = common.timed_steps(rt, step, opts.warmup, opts.steps)
         record = {
             "step_time_s": common.median(seconds),
             "step_times_s": [round(s, 4) for s in seconds],
+            "host_time_s": common.median(host_seconds),
             **rt.peak_memory_gib(),
             "losses": common.global_losses(rt, losses),
             **_flop_figures(training, run, batches[: opts.warmup + opts.steps]),
