@@ -31,7 +31,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo's packages
+
+from benchmarks import common  # noqa: E402
 
 WARMUP_STEPS = 3
 SAMPLED_STEPS = 3
