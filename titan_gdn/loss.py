@@ -23,8 +23,7 @@ from torchtitan.tools.logging import logger
 # is followed by a separate fp32 add over the whole [vocab, dim] gradient (a bf16 GEMM cannot
 # accumulate into fp32 in torch 2.11): 6 GB of memory traffic at Qwen3.5's vocabulary and dim
 # 2048. One per 4 chunks takes a quarter of that traffic, for a [4 x chunk, vocab] buffer in
-# the hidden states' dtype (2 GB at 1,024-token chunks, 0.5 GB more than one chunk's fp32
-# gradient and its cast held before).
+# the hidden states' dtype (2 GB at 1,024-token chunks).
 CHUNKS_PER_GRADIENT_GEMM = 4
 
 
