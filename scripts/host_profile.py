@@ -25,7 +25,6 @@ import io
 import pstats
 import sys
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -105,11 +104,6 @@ class _ProfileBackward(torch.autograd.Function):
         return grad, None
 
 
-def _sync(rt: common.Runtime) -> None:
-    if rt.cuda:
-        torch.cuda.synchronize()
-
-
 def _tables(profiler: cProfile.Profile, title: str, rows: int) -> str:
     text = io.StringIO()
     text.write(f"=== {title} ===\n")
@@ -149,18 +143,11 @@ def main(argv=None) -> None:
     training = common.build_training(run, opts, rt, tokenizer)
     steps = iter(batches)
 
-    def step():
+    def step(_index: int = 0):  # timed_steps passes an index; batches are taken in order
         inputs, labels = next(steps)
         return common.train_step(training, inputs.to(rt.device), labels.to(rt.device))
 
-    for _ in range(WARMUP_STEPS):
-        step()
-    _sync(rt)
-    start = time.perf_counter()
-    step()
-    host_s = time.perf_counter() - start
-    _sync(rt)
-    step_s = time.perf_counter() - start
+    (step_s,), (host_s,), _ = common.timed_steps(rt, step, WARMUP_STEPS, steps=1)
 
     switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(0.0005)  # the sampler gets the GIL between bytecodes sooner
@@ -168,20 +155,20 @@ def main(argv=None) -> None:
     sampler.start()
     for _ in range(SAMPLED_STEPS):
         step()
-    _sync(rt)
+    rt.synchronize()
     sampler.stop()
     sys.setswitchinterval(switch_interval)
 
     main_thread = cProfile.Profile()
     main_thread.enable()
     step()
-    _sync(rt)
+    rt.synchronize()
     main_thread.disable()
     backward = cProfile.Profile()
     loss_fn = training.loss_fn
     training.loss_fn = lambda pred, labels: _ProfileBackward.apply(loss_fn(pred, labels), backward)
     step()
-    _sync(rt)
+    rt.synchronize()
 
     report = (
         f"{run.label()}: step {step_s * 1e3:.1f} ms, host until the step returns "
