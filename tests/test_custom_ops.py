@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import relative_error
-from tests.fla_stand_in import FlaStandIn
+from tests.fla_stand_in import FlaConvStandIn, FlaStandIn
+from titan_gdn.ops import conv
 from titan_gdn.ops.delta_rule import fla_op, gated_delta_rule
 
 INPUT_NAMES = ("q", "k", "v", "g", "beta")
@@ -112,3 +113,24 @@ def test_document_chunks_are_fla_s_chunk_indices():
         expected = prepare_chunk_indices(docs.cu_seqlens.clone(), FLA_CHUNK_SIZE)
         assert chunk_indices.dtype == expected.dtype
         assert torch.equal(chunk_indices, expected)
+
+
+def test_fla_conv_op_calls_flas_backward_without_rerunning_the_forward(monkeypatch):
+    from fla.modules import causal_conv1d as fla_conv
+    from fla.modules.causal_conv1d import ops as fla_conv_ops
+
+    stand_in = FlaConvStandIn()
+    monkeypatch.setattr(fla_conv, "causal_conv1d", stand_in.causal_conv1d)
+    monkeypatch.setattr(fla_conv_ops, "causal_conv1d_bwd", stand_in.causal_conv1d_bwd)
+    gen = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(1, TOKENS, 24, generator=gen), torch.randn(24, 4, generator=gen)
+    grad = torch.randn(1, TOKENS, 24, generator=gen)
+    results = {}
+    for backend in ("torch", "fla"):
+        leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
+        out = conv._causal_conv1d_silu_op(*leaves, CU_SEQLENS, backend)
+        out.backward(grad)
+        results[backend] = (out, *(leaf.grad for leaf in leaves))
+    assert (stand_in.forward_calls, stand_in.backward_calls) == (1, 1)
+    for name, got, want in zip(("out", "dx", "dw"), results["fla"], results["torch"], strict=True):
+        assert relative_error(got, want) <= 1e-6, name

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_gdn.ops.backends import resolve_backend
-from titan_gdn.ops.custom_op import recomputing_op
+from titan_gdn.ops.custom_op import input_saving_op
 from titan_gdn.ops.documents import cached_documents_and_chunks
 
 CONV_BACKENDS = ("causal_conv1d", "fla", "torch")
@@ -56,12 +56,33 @@ def _causal_conv1d_silu(x, weight, cu_seqlens, backend):
     return _causal_conv1d_torch(x, weight, cu_seqlens)
 
 
-_causal_conv1d_silu_op = recomputing_op(
+def _causal_conv1d_silu_backward(grad, x, weight, cu_seqlens, backend):
+    """FLA's conv backward, which needs only the inputs (it recomputes the pre-activation
+    itself): no forward rerun under autograd first. None for the other backends."""
+    if backend != "fla":
+        return None
+    from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
+
+    cu_seqlens, chunk_indices = cached_documents_and_chunks()(cu_seqlens)
+    dx, dw, _, _, _ = causal_conv1d_bwd(
+        x=x,
+        dy=grad.contiguous(),
+        dht=None,
+        weight=weight,
+        activation="silu",
+        cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices,
+    )
+    return [dx, dw]
+
+
+_causal_conv1d_silu_op = input_saving_op(
     "causal_conv1d_silu",
     _causal_conv1d_silu,
     "(Tensor x, Tensor weight, Tensor cu_seqlens, str backend)",
     num_differentiable=2,
     output_like=0,
+    backward_fn=_causal_conv1d_silu_backward,
 )
 
 

@@ -9,10 +9,12 @@ Eager code calls the same ops, so eager and compiled training run the same kerne
 selective checkpointing sees each kernel as one dispatcher op (see
 `titan_gdn.parallel.activation_checkpoint`).
 
-The ops made here recompute their forward in backward, under autograd on detached inputs,
-and differentiate it: one rule for every backend whose own backward is plain autograd or an
-autograd Function, at the cost of one extra forward per backward. Where that cost matters
-(FLA's delta rule) the op saves the kernel's residuals instead: `delta_rule/fla_op.py`.
+The ops made here save their inputs. Their backward is the backend's own where it needs
+only the inputs (FLA's conv: `backward`), else the forward recomputed under autograd on
+detached inputs and differentiated: one rule for every backend whose own backward is plain
+autograd or an autograd Function, at the cost of one extra forward per backward. Where a
+kernel's backward needs its forward's residuals (FLA's delta rule) the op returns and saves
+them instead: `delta_rule/fla_op.py`.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from titan_gdn.ops.local_memory import release_after_first_use
 NAMESPACE = "titan_gdn"
 
 
-def recomputing_op(
+def input_saving_op(
     name: str,
     fn: Callable[..., torch.Tensor],
     arguments: str,
     num_differentiable: int,
     output_like: int,
+    backward_fn: Callable[..., list[torch.Tensor] | None] | None = None,
 ) -> Callable[..., torch.Tensor]:
     """Register `fn` as the custom op `titan_gdn::name`, differentiable in its first
     `num_differentiable` arguments (tensors); returns the function to call.
@@ -40,6 +43,9 @@ def recomputing_op(
     `arguments` is the schema's argument list, tensors first, e.g.
     "(Tensor x, Tensor weight, Tensor cu_seqlens, str backend)"; non-tensor arguments are
     compile-time constants. The output has the shape and dtype of argument `output_like`.
+    `backward_fn(grad, *args)` returns the gradients of the differentiable arguments, or None
+    where it has no backward of its own for these arguments: then `fn` is recomputed and
+    differentiated.
     """
 
     def forward_impl(*args):
@@ -56,11 +62,13 @@ def recomputing_op(
         return args[output_like].new_empty(args[output_like].shape)
 
     def backward_impl(grad, *args):
-        inputs = [a.detach().requires_grad_() for a in args[:num_differentiable]]
-        with recording_autograd():
-            output = fn(*inputs, *args[num_differentiable:])
-        grads = torch.autograd.grad(output, inputs, grad, materialize_grads=True)
-        release_after_first_use(f"{name}_backward", *inputs)
+        grads = backward_fn(grad, *args) if backward_fn is not None else None
+        if grads is None:
+            inputs = [a.detach().requires_grad_() for a in args[:num_differentiable]]
+            with recording_autograd():
+                output = fn(*inputs, *args[num_differentiable:])
+            grads = torch.autograd.grad(output, inputs, grad, materialize_grads=True)
+        release_after_first_use(f"{name}_backward", *args[:num_differentiable])
         return [g.contiguous() for g in grads]
 
     backward = torch.library.custom_op(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from titan_gdn.ops.backends import resolve_backend
-from titan_gdn.ops.custom_op import recomputing_op
+from titan_gdn.ops.custom_op import input_saving_op
 from titan_gdn.ops.delta_rule.chunk_torch import chunk_gated_delta_rule_torch
 from titan_gdn.ops.delta_rule.fla_op import fla_gated_delta_rule
 
@@ -67,7 +67,7 @@ def gated_delta_rule(
     return _gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, scale)
 
 
-_gated_delta_rule_torch = recomputing_op(
+_gated_delta_rule_torch = input_saving_op(
     "gated_delta_rule_torch",
     chunk_gated_delta_rule_torch,
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, float? scale)",
