@@ -84,14 +84,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_logits = hidden.new_empty((min(group_tokens, hidden.shape[0]), weight.shape[0]))
         total = hidden.new_zeros((), dtype=torch.float32)
         for group_start in range(0, hidden.shape[0], group_tokens):
-            h = hidden[group_start : group_start + group_tokens]
-            y = labels[group_start : group_start + group_tokens]
+            group = slice(group_start, group_start + group_tokens)
+            h, y = hidden[group], labels[group]
             g = grad_logits[: h.shape[0]]
             for s in range(0, h.shape[0], chunk_tokens):
                 rows = slice(s, s + chunk_tokens)
                 total += step(h[rows], weight, y[rows], g[rows])
             if want_h:
-                torch.mm(g, weight, out=grad_h[group_start : group_start + h.shape[0]])
+                torch.mm(g, weight, out=grad_h[group])
             if want_w and grad_w.dtype == h.dtype:
                 grad_w.addmm_(g.T, h)
             elif want_w:
