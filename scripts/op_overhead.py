@@ -5,8 +5,8 @@ rows, cp=2: docs/gpu_results.md, session 8) every microsecond per call counts. T
 a small shape where the device keeps up, the forward of the conv and delta-rule ops through
 the dispatcher (`torch.ops.titan_gdn.*`: the path eager and compiled training take) and their
 bodies called as plain Python functions, on the backends the device resolves (FLA on CUDA).
-FLA's own per-kernel dispatch wrapper is on unless `FLA_DISABLE_BACKEND_DISPATCH=1` is set
-before the run; the table says which.
+FLA's own per-call backend dispatch is off, as importing titan_gdn sets it, unless the run
+sets `FLA_DISABLE_BACKEND_DISPATCH=0`; the table says which.
 
     python scripts/op_overhead.py --tokens 4096 --calls 200 --json op_overhead.json
 """

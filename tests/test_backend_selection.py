@@ -1,12 +1,17 @@
-"""Automatic backend selection skips a package that is installed but does not import."""
+"""Automatic backend selection skips a package that is installed but does not import; FLA's
+own backend dispatch is off once titan_gdn is imported."""
 
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
 from titan_gdn.ops.backends import module_available, resolve_backend
 
 CHOICES = ("fast_ext", "fla", "torch")
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _resolve(extension: str) -> str:
@@ -51,3 +56,19 @@ def test_selection_inside_a_compiled_block_is_a_constant():
 
     compiled = torch.compile(shifted, fullgraph=True, backend="eager")
     assert torch.equal(compiled(torch.zeros(2)), torch.ones(2))
+
+
+def _fla_dispatch_disabled(env: dict) -> bool:
+    # A fresh interpreter: FLA reads the variable once, when it is first imported.
+    code = "import titan_gdn, fla.backends; print(fla.backends._DISPATCH_DISABLED)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    return result.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_importing_titan_gdn_turns_fla_backend_dispatch_off_unless_asked_for():
+    env = {k: v for k, v in os.environ.items() if k != "FLA_DISABLE_BACKEND_DISPATCH"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    assert _fla_dispatch_disabled(env)
+    assert not _fla_dispatch_disabled({**env, "FLA_DISABLE_BACKEND_DISPATCH": "0"})

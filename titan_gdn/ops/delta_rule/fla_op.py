@@ -10,8 +10,9 @@ autograd formula, and the backward op calls ``chunk_gated_delta_rule_bwd`` on th
 compiled training run exactly FLA's kernels, and selective activation checkpointing can keep
 the op's outputs instead of recomputing the kernel.
 
-Only FLA's Triton path is called: replacement backends that FLA's public function may dispatch
-to (FlashQLA, Ascend) are not used. The Hopper guard lift (`hopper_guard`) still applies: it
+Only FLA's Triton path is called: importing titan_gdn turns FLA's backend dispatch off (see
+`titan_gdn/__init__.py`), which would otherwise look for replacement backends (FlashQLA,
+Ascend) at every call of the functions below. The Hopper guard lift (`hopper_guard`) still applies: it
 rebinds the name that ``chunk_gated_delta_rule_bwd`` looks up in its own module.
 """
 
