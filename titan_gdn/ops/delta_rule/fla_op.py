@@ -12,8 +12,8 @@ the op's outputs instead of recomputing the kernel.
 
 Only FLA's Triton path is called: importing titan_gdn turns FLA's backend dispatch off (see
 `titan_gdn/__init__.py`), which would otherwise look for replacement backends (FlashQLA,
-Ascend) at every call of the functions below. The Hopper guard lift (`hopper_guard`) still applies: it
-rebinds the name that ``chunk_gated_delta_rule_bwd`` looks up in its own module.
+Ascend) at every call of the functions below. The Hopper guard lift (`hopper_guard`) still
+applies: it rebinds the name that ``chunk_gated_delta_rule_bwd`` looks up in its own module.
 """
 
 from __future__ import annotations
