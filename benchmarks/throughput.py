@@ -49,7 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[8192])
     parser.add_argument("--cp", nargs="+", type=int, default=[1], help="context-parallel degrees")
     parser.add_argument(
-        "--ac", default="none", help='activation checkpointing: none, full, "selective:op", ...'
+        "--ac",
+        nargs="+",
+        default=["none"],
+        help='activation checkpointing modes, each measured: none, full, "selective:op", ...',
     )
     parser.add_argument("--references", nargs="*", default=[], choices=REFERENCES)
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
@@ -184,7 +187,8 @@ def _profiled_step(training, batch, run: RunConfig, state: Run) -> dict:
         return {}
     if state.args.trace_dir is not None:
         state.args.trace_dir.mkdir(parents=True, exist_ok=True)
-        name = f"{run.flavor}_seq{run.seq_len}_cp{run.cp}_{state.opts.docs}.json"
+        ac = run.ac.replace(":", "-")
+        name = f"{run.flavor}_seq{run.seq_len}_cp{run.cp}_ac-{ac}_{state.opts.docs}.json"
         prof.export_chrome_trace(str(state.args.trace_dir / name))
     breakdown = step_breakdown(prof.events(), training.model_args.layer_types, rt.cuda)
     breakdown["profiled_step_ms"] = round(profiled_ms, 3)
@@ -360,19 +364,25 @@ def _pct(value):
     return None if value is None else round(100 * value, 1)
 
 
+def configurations(args: argparse.Namespace, flavor: str, seq_len: int) -> list[RunConfig]:
+    """Each checkpointing mode's cp degrees in turn: a mode's cp=1 and cp=2 run back to back,
+    so a time budget that stops the run leaves whole ratios."""
+    return [RunConfig(flavor, seq_len, cp, ac) for ac in args.ac for cp in args.cp]
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     rt = common.init_runtime(args.pg_timeout_s)
     try:
         state = Run(args, rt)
         for flavor, seq_len in itertools.product(args.flavors, args.seq_lens):
-            for cp in args.cp:
-                if rt.world_size % cp:
-                    _announce(rt, f"skipping cp={cp}: it does not divide {rt.world_size} ranks")
+            for run in configurations(args, flavor, seq_len):
+                if rt.world_size % run.cp:
+                    _announce(rt, f"skipping cp={run.cp}: it does not divide {rt.world_size} ranks")
                     continue
                 if state.out_of_time():
                     break
-                run_configuration(RunConfig(flavor, seq_len, cp, args.ac), state)
+                run_configuration(run, state)
             if "transformers" in args.references:
                 run_transformers(flavor, seq_len, state)
         if "probe" in args.references and not state.out_of_time():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import report
+from benchmarks import report, throughput
 from benchmarks.breakdown import categorize
 from benchmarks.common import guarded
 from benchmarks.memory import find_longest
@@ -372,3 +372,17 @@ def test_gpu_kernels_follow_torchs_links_not_colliding_ids():
     block_ms = result["layers_ms"]["linear_attention"]
     assert {k: v for k, v in block_ms.items() if v} == {"delta_rule": 0.01, "other": 0.005}
     assert result["busy_ms"] == 0.027  # the kernels alone, not the range's span over the gap
+
+
+def test_every_checkpointing_mode_runs_its_cp_degrees_back_to_back():
+    args = throughput.parse_args(
+        ["--out", "x.json", "--cp", "1", "2", "--ac", "full", "selective:op"]
+    )
+    runs = throughput.configurations(args, "2B", 32768)
+    assert [(r.ac, r.cp) for r in runs] == [
+        ("full", 1),
+        ("full", 2),
+        ("selective:op", 1),
+        ("selective:op", 2),
+    ]
+    assert throughput.parse_args(["--out", "x.json"]).ac == ["none"]
