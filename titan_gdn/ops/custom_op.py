@@ -10,7 +10,7 @@ selective checkpointing sees each kernel as one dispatcher op (see
 `titan_gdn.parallel.activation_checkpoint`).
 
 The ops made here save their inputs. Their backward is the backend's own where it needs
-only the inputs (FLA's conv: `backward`), else the forward recomputed under autograd on
+only the inputs (FLA's conv: `backward_fn`), else the forward recomputed under autograd on
 detached inputs and differentiated: one rule for every backend whose own backward is plain
 autograd or an autograd Function, at the cost of one extra forward per backward. Where a
 kernel's backward needs its forward's residuals (FLA's delta rule) the op returns and saves
