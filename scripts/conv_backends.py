@@ -1,4 +1,5 @@
-"""Pick the GDN conv backend by measurement: FLA's Triton kernel vs causal-conv1d's CUDA kernel.
+"""Pick the GDN conv backend by measurement: FLA's Triton kernel, causal-conv1d's CUDA kernel and
+the torch formulation compiled by inductor (what a compiled model runs with conv_backend=torch).
 
     python scripts/conv_backends.py [--json out.json]
 
@@ -16,6 +17,7 @@ import statistics
 
 import torch
 
+from titan_gdn.ops import conv
 from titan_gdn.ops.conv import causal_conv1d_silu
 
 CHANNELS = (6144, 8192)
@@ -31,9 +33,19 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+# The taps traced into one graph, as inside a compiled block: inductor fuses them.
+_COMPILED_TORCH = torch.compile(conv._causal_conv1d_torch, fullgraph=True)
+
+
+def _conv(backend, x, w, cu):
+    if backend == "torch-compiled":
+        return _COMPILED_TORCH(x, w, cu)
+    return causal_conv1d_silu(x, w, cu, backend)
+
+
 def _run(backend, x, w, cu, grad, dtype):
     xs, ws = (t.detach().to(dtype).requires_grad_() for t in (x, w))
-    out = causal_conv1d_silu(xs, ws, cu, backend)
+    out = _conv(backend, xs, ws, cu)
     out.backward(grad.to(dtype))
     return out, xs.grad, ws.grad
 
@@ -45,7 +57,7 @@ def _median_ms(backend, x, w, cu, grad) -> float:
     for _ in range(25):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        causal_conv1d_silu(xs, ws, cu, backend).backward(grad)
+        _conv(backend, xs, ws, cu).backward(grad)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
@@ -56,7 +68,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     args = parser.parse_args()
-    backends = ["fla"] + (["causal_conv1d"] if importlib.util.find_spec("causal_conv1d") else [])
+    backends = ["fla", "torch-compiled"]
+    backends += ["causal_conv1d"] if importlib.util.find_spec("causal_conv1d") else []
     gen = torch.Generator().manual_seed(0)
     rows = []
     for channels in CHANNELS:
