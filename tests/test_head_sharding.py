@@ -6,6 +6,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.distributed import run_on_ranks
+from titan_gdn.parallel import head_sharding
 from titan_gdn.parallel.head_sharding import HeadSharding
 
 GROUPS, SEQ_LEN = 4, 6
@@ -49,3 +50,27 @@ def _check_exchange(rank, world_size):
 
 def test_heads_exchange_matches_slicing_and_inverts():
     run_on_ranks(2, _check_exchange)
+
+
+def _check_contiguous_sends(rank, world_size):
+    sent = []
+
+    def recording_all_to_all(send, *args):
+        sent.append(send.is_contiguous())
+        return exchange(send, *args)
+
+    exchange, head_sharding.all_to_all = head_sharding.all_to_all, recording_all_to_all
+    sharding = HeadSharding(init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",)))
+    shards = [p[:, : SEQ_LEN // world_size].clone().requires_grad_() for p in _full_parts(1)]
+    heads = sharding.to_heads(*shards, own_buffers=OWN_BUFFERS)
+    # A consumer that reads the tokens' heads as a mixer's output does: the gradient reaching
+    # the exchange is then laid out per token, not per destination rank.
+    (tokens,) = sharding.to_tokens(torch.cat(heads, dim=-1))
+    (tokens.flatten(2) * torch.randn_like(tokens.flatten(2))).sum().backward()
+    assert sent == [True] * 4, sent
+
+
+def test_exchange_sends_contiguous_buffers_in_forward_and_backward():
+    """The op gets its send buffer laid out already, backward too: the layout copy is then
+    code around the op, which a compiled model fuses with the work producing the buffer."""
+    run_on_ranks(2, _check_contiguous_sends)
