@@ -117,8 +117,14 @@ def layer_ranges(model):
             handle.remove()
 
 
-def step_breakdown(events, layer_types: list[str], cuda: bool) -> dict:
-    """Category totals (ms) of one profiled step, per block type, and its all-to-alls."""
+def step_breakdown(
+    events, layer_types: list[str], cuda: bool, exchanges: list[list] | None = None
+) -> dict:
+    """Category totals (ms) of one profiled step, per block type, and its all-to-alls.
+
+    `exchanges`: per rank of this rank's cp group, this one first, its `exchange_kernels`;
+    with them each all-to-all is also timed from the last rank's arrival to the last rank's
+    end: the exchange itself, without the time a rank's kernel waits for its peers."""
     cpu_ops = [e for e in events if e.device_type == DeviceType.CPU]
     chains = _Chains()
     layer_of = _layer_index(cpu_ops, chains)
@@ -142,7 +148,7 @@ def step_breakdown(events, layer_types: list[str], cuda: bool) -> dict:
         "categories_ms": _ms(totals),
         "layers_ms": {kind: _ms(values) for kind, values in per_type.items()},
         "all_to_all": _all_to_all_summary(
-            collectives, collective_us, chains, len(layer_types), cuda
+            collectives, collective_us, chains, len(layer_types), cuda, exchanges
         ),
     }
     if cuda:
@@ -310,14 +316,53 @@ def _union_us(events) -> float:
     return total
 
 
+def exchange_kernels(events, trace_start_us: float) -> list[tuple[float, float]]:
+    """(start, end) of each all-to-all kernel of the step in order, in wall-clock us (the
+    ranks of one host share that clock): what a rank tells rank 0 for `step_breakdown`."""
+    kernels = [e for e in device_work(events) if any(p in e.name for p in _EXCHANGE_KERNELS)]
+    return sorted((trace_start_us + k.time_range.start, trace_start_us + k.time_range.end)
+                  for k in kernels)
+
+
+_EXCHANGE_KERNELS = ("SendRecv", "AllToAll")
+
+
+def _exchange_times(ops: list, exchanges: list[list] | None) -> dict[int, tuple[float, ...]]:
+    """Per collective op (by id), in us: its all-to-all kernel's time on this rank, the
+    exchange's time from the last rank's start to the last rank's end, and the spread of the
+    ranks' ends (near 0 when the clocks agree: an exchange ends on all ranks at once).
+    Empty unless every rank ran one such kernel per op: the i-th op (by launch) is the i-th
+    kernel on every rank."""
+    if not exchanges or any(len(kernels) != len(ops) for kernels in exchanges):
+        return {}
+    times = {}
+    for index, op in enumerate(sorted(ops, key=lambda op: op.time_range.start)):
+        starts, ends = zip(*(kernels[index] for kernels in exchanges), strict=True)
+        own_start, own_end = exchanges[0][index]
+        exchange = max(0.0, max(ends) - max(starts))
+        times[id(op)] = (own_end - own_start, exchange, max(ends) - min(ends))
+    return times
+
+
 def _all_to_all_summary(
-    collectives: dict, kernel_us: dict, chains: _Chains, mixers: int, cuda: bool
+    collectives: dict,
+    kernel_us: dict,
+    chains: _Chains,
+    mixers: int,
+    cuda: bool,
+    exchanges: list[list] | None = None,
 ) -> dict:
-    """Calls per mixer and direction, and per message size the time and bandwidth (GPU)."""
+    """Calls per mixer and direction, and per message size the time and bandwidth (GPU):
+    of the op's kernels (the all-to-all, and any copy it makes), and where every rank's
+    kernels are given, of the all-to-all kernel alone and of the exchange itself."""
     groups: dict[tuple[str, int], list[float]] = defaultdict(list)
+    exchange_groups: dict[tuple[str, int], list[tuple[float, ...]]] = defaultdict(list)
+    timed = _exchange_times(list(collectives.values()), exchanges)
     for key, op in collectives.items():
         direction = "backward" if _in_backward(chains.of(op)) else "forward"
         groups[(direction, _message_bytes(op))].append(kernel_us.get(key, 0.0))
+        if key in timed:
+            exchange_groups[(direction, _message_bytes(op))].append(timed[key])
     calls = defaultdict(int)
     ops = defaultdict(int)
     for op in collectives.values():
@@ -330,6 +375,12 @@ def _all_to_all_summary(
             kernel_ms = statistics.median(times) / 1000
             entry["median_kernel_ms"] = round(kernel_ms, 4)
             entry["gb_per_s"] = round(size / kernel_ms / 1e6, 2) if kernel_ms else None
+        if exchange_groups.get((direction, size)):
+            own, exchange, _ = zip(*exchange_groups[(direction, size)], strict=True)
+            exchange_ms = statistics.median(exchange) / 1000
+            entry["median_nccl_kernel_ms"] = round(statistics.median(own) / 1000, 4)
+            entry["median_exchange_ms"] = round(exchange_ms, 4)
+            entry["exchange_gb_per_s"] = round(size / exchange_ms / 1e6, 2) if exchange_ms else None
         sizes.append(entry)
     return {
         "mixers": mixers,
@@ -339,6 +390,20 @@ def _all_to_all_summary(
         "backward_per_mixer": round(calls["backward"] / mixers, 2),
         "ops": dict(ops),
         "sizes": sizes,
+        **_exchange_coverage(timed, exchanges),
+    }
+
+
+def _exchange_coverage(timed: dict, exchanges: list[list] | None) -> dict:
+    if not exchanges:
+        return {}
+    if not timed:
+        counts = [len(kernels) for kernels in exchanges]
+        return {"exchange_ranks": len(exchanges), "exchange_unmatched_kernel_counts": counts}
+    spreads = [spread for _, _, spread in timed.values()]
+    return {
+        "exchange_ranks": len(exchanges),
+        "exchange_end_spread_us_median": round(statistics.median(spreads), 1),
     }
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import common, records
-from benchmarks.breakdown import layer_ranges, step_breakdown
+from benchmarks.breakdown import exchange_kernels, layer_ranges, step_breakdown
 from benchmarks.common import RunConfig, Runtime
 from benchmarks.flop_count import (
     documents_flops_per_token,
@@ -172,27 +172,42 @@ def _flop_figures(training, run: RunConfig, batches) -> dict:
 
 
 def _profiled_step(training, batch, run: RunConfig, state: Run) -> dict:
-    """One more step, profiled on rank 0 (the others run it plainly: parsing a trace takes
-    seconds per rank, and rank 0's view is the one reported)."""
+    """One more step, profiled on rank 0, whose view is reported (parsing a trace takes seconds
+    per rank). With cp > 1 on GPUs every rank profiles it and sends rank 0 its all-to-all
+    kernels' times, so that each exchange is also timed without waiting for a late peer."""
     rt = state.rt
     inputs, labels = (x.to(rt.device) for x in batch)
-    profiler = _profiler(rt) if rt.rank == 0 else contextlib.nullcontext()
+    exchanges_timed = rt.cuda and run.cp > 1
+    profiled = rt.rank == 0 or exchanges_timed
+    profiler = _profiler(rt) if profiled else contextlib.nullcontext()
     rt.synchronize()
     with layer_ranges(training.model), profiler as prof:
         start = time.perf_counter()
         common.train_step(training, inputs, labels)
         rt.synchronize()
         profiled_ms = (time.perf_counter() - start) * 1000
-    if prof is None:
+    exchanges = _every_ranks_exchanges(prof, run.cp) if exchanges_timed else None
+    if rt.rank != 0:
         return {}
     if state.args.trace_dir is not None:
         state.args.trace_dir.mkdir(parents=True, exist_ok=True)
         ac = run.ac.replace(":", "-")
         name = f"{run.flavor}_seq{run.seq_len}_cp{run.cp}_ac-{ac}_{state.opts.docs}.json"
         prof.export_chrome_trace(str(state.args.trace_dir / name))
-    breakdown = step_breakdown(prof.events(), training.model_args.layer_types, rt.cuda)
+    layer_types = training.model_args.layer_types
+    breakdown = step_breakdown(prof.events(), layer_types, rt.cuda, exchanges)
     breakdown["profiled_step_ms"] = round(profiled_ms, 3)
     return breakdown
+
+
+def _every_ranks_exchanges(prof, cp: int) -> list[list]:
+    """Every rank's all-to-all kernels; rank 0's cp group first (ranks 0..cp-1: cp is the
+    innermost mesh dimension without tensor parallelism)."""
+    start_us = prof.profiler.kineto_results.trace_start_ns() / 1000
+    own = exchange_kernels(prof.events(), start_us)
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, own)
+    return gathered[:cp]
 
 
 def _profiler(rt: Runtime):

@@ -329,6 +329,57 @@ def test_gpu_kernels_are_attributed_to_blocks_collectives_and_directions():
     assert by_direction["backward"]["median_kernel_ms"] == 0.008
 
 
+def _one_exchange_each_way():
+    """A block whose forward sends to heads and whose backward sends back, on rank 0."""
+    forward = _event(1, "bench::forward", 0, 100, is_user_annotation=True)
+    block = _event(2, "bench::layer 0", 10, 90, forward, is_user_annotation=True)
+    compiled = _event(3, "CompiledFunction", 11, 89, block, seq=7)
+    sent = [[1, 1024, 2, 64]]  # bf16: 256 KiB
+    to_heads = _event(4, "titan_gdn::all_to_all", 20, 30, compiled, shapes=sent)
+    engine = _event(6, "autograd::engine::evaluate_function: CompiledFunctionBackward", 200, 300)
+    backward = _event(7, "CompiledFunctionBackward", 201, 299, engine, seq=7)
+    to_tokens = _event(8, "titan_gdn::all_to_all", 210, 220, backward, shapes=sent)
+    kernels = [
+        _kernel(9, "ncclDevKernel_SendRecv", 21, 26, to_heads),
+        _kernel(10, "chunk_fwd_kernel_o", 41, 51),
+        # The backward op also lays its send buffer out: a copy before the exchange.
+        _kernel(11, "elementwise_kernel", 209, 211, to_tokens),
+        _kernel(12, "ncclDevKernel_SendRecv", 211, 219, to_tokens),
+    ]
+    return [forward, block, compiled, to_heads, engine, backward, to_tokens, *kernels]
+
+
+def test_exchanges_are_timed_from_the_last_ranks_start():
+    """Given every rank's all-to-all kernels, an exchange runs from the last rank's start to
+    the last rank's end: a kernel that started early and waited does not lower its bandwidth."""
+    from benchmarks import report
+    from benchmarks.breakdown import exchange_kernels, step_breakdown
+
+    events = _one_exchange_each_way()
+    own = exchange_kernels(events, trace_start_us=1000.0)
+    assert own == [(1021.0, 1026.0), (1211.0, 1219.0)]  # the copy and the delta rule left out
+    peer = [(1024.0, 1026.5), (1205.0, 1219.5)]
+    result = step_breakdown(events, ["linear_attention"], cuda=True, exchanges=[own, peer])
+    a2a = result["all_to_all"]
+    by_direction = {size["direction"]: size for size in a2a["sizes"]}
+    forward, backward = by_direction["forward"], by_direction["backward"]
+    assert (forward["median_nccl_kernel_ms"], forward["median_exchange_ms"]) == (0.005, 0.0025)
+    assert forward["exchange_gb_per_s"] == round(262144 / 0.0025 / 1e6, 2)
+    assert backward["median_kernel_ms"] == 0.01  # the op's kernels: copy + exchange
+    assert (backward["median_nccl_kernel_ms"], backward["median_exchange_ms"]) == (0.008, 0.0085)
+    assert a2a["exchange_end_spread_us_median"] == 0.5
+
+    probe = [{"bytes": 262144, "gb_per_s": 50.0, "kernel_gb_per_s": 100.0}]
+    shares = [report._bandwidth_share(size, probe) for size in (forward, backward)]
+    assert shares == [forward["exchange_gb_per_s"] / 100, backward["exchange_gb_per_s"] / 100]
+
+    # A rank that saw another number of exchanges cannot be matched call by call.
+    unmatched = step_breakdown(events, ["linear_attention"], True, exchanges=[own, peer[:1]])
+    a2a = unmatched["all_to_all"]
+    assert a2a["exchange_unmatched_kernel_counts"] == [2, 1]
+    assert not any("median_exchange_ms" in size for size in a2a["sizes"])
+
+
 def test_gpu_kernels_follow_torchs_links_not_colliding_ids():
     """Each kernel counts once, under the op that torch lists it in: not under a CUDA call whose
     CUPTI id equals that op's id, nor twice where torch lists it twice (also in an unlinked CUDA
