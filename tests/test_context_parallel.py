@@ -80,7 +80,10 @@ def _check_cp_matches_single_process(rank, world_size, dp_shard, cp, heads=None)
     for name, param in model.named_parameters():
         reference_name = name.replace("_checkpoint_wrapped_module.", "")
         error = relative_error(param.grad.full_tensor(), expected[reference_name].grad)
-        assert error <= 1e-5, f"{name}: {error:.2e}"
+        # The gradient of a per-head scalar (A_log, dt_bias) sums every token's terms, which
+        # cancel; the order of that fp32 sum follows the heads per rank and the CPU's vector
+        # width (1.3e-5 for A_log at cp=4 on one machine, under 1e-5 on another).
+        assert error <= 5e-5, f"{name}: {error:.2e}"
 
 
 @pytest.mark.parametrize("dp_shard, cp", [(1, 2), (1, 4), (2, 2)])
