@@ -1,5 +1,6 @@
-"""Pick the GDN conv backend by measurement: FLA's Triton kernel, causal-conv1d's CUDA kernel and
-the torch formulation compiled by inductor (what a compiled model runs with conv_backend=torch).
+"""Pick the GDN conv backend by measurement: FLA's Triton kernel, causal-conv1d's CUDA kernel, and
+the torch formulation compiled by inductor on its own (`torch-compiled`: what the conv would cost
+if compiled blocks traced it instead of calling the opaque op; no model backend runs it so).
 
     python scripts/conv_backends.py [--json out.json]
 
@@ -33,7 +34,7 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-# The taps traced into one graph, as inside a compiled block: inductor fuses them.
+# The taps traced into one graph, which inductor fuses into elementwise and reduction kernels.
 _COMPILED_TORCH = torch.compile(conv._causal_conv1d_torch, fullgraph=True)
 
 
