@@ -123,7 +123,7 @@ def _backward(ctx, grads):
         tail = torch.cat(tail_grads, dim=-1)
         grad = grad + F.pad(tail, (grad.shape[-1] - tail.shape[-1], 0))
     # Contiguous here, in the traced backward, not inside the opaque op: compiled, the layout
-    # copy fuses into the kernel that produces the gradient (the gated norm's backward).
+    # copy fuses into the kernel that produces the gradient (a GDN mixer's gated norm backward).
     (grad_send,) = all_to_all(grad.contiguous(), ctx.group_name, [])
     # Gradients mirror the inputs' structure, where an empty list is a container, not a leaf.
     return grad_send, None, None if ctx.tail_sizes else []
