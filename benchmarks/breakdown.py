@@ -360,9 +360,10 @@ def _all_to_all_summary(
     timed = _exchange_times(list(collectives.values()), exchanges)
     for key, op in collectives.items():
         direction = "backward" if _in_backward(chains.of(op)) else "forward"
-        groups[(direction, _message_bytes(op))].append(kernel_us.get(key, 0.0))
+        group = (direction, _message_bytes(op))
+        groups[group].append(kernel_us.get(key, 0.0))
         if key in timed:
-            exchange_groups[(direction, _message_bytes(op))].append(timed[key])
+            exchange_groups[group].append(timed[key])
     calls = defaultdict(int)
     ops = defaultdict(int)
     for op in collectives.values():

@@ -352,7 +352,6 @@ def _one_exchange_each_way():
 def test_exchanges_are_timed_from_the_last_ranks_start():
     """Given every rank's all-to-all kernels, an exchange runs from the last rank's start to
     the last rank's end: a kernel that started early and waited does not lower its bandwidth."""
-    from benchmarks import report
     from benchmarks.breakdown import exchange_kernels, step_breakdown
 
     events = _one_exchange_each_way()
