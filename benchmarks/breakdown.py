@@ -5,7 +5,8 @@ ops that launched it: the kernels of the delta-rule and conv custom ops wherever
 (forward, backward, recompute), flex attention, GEMMs, the chunked loss, the mixers'
 all-to-alls, FSDP's collectives and copies, the optimizer (with gradient clipping), document
 boundaries, and everything else (norms, gates, layout copies). Kernels on different streams
-overlap, so categories can sum to more than the step; `busy_ms` is the time any kernel runs.
+overlap, so categories can sum to more than the step; `busy_ms` is the time any kernel runs,
+`exposed_comm_ms` per kind of collective the time it runs with no compute kernel beside it.
 
 Blocks are told apart by a profiler range around each block's forward (`layer_ranges`); a
 backward node carries the sequence number of the forward op that made it, which maps backward
@@ -153,6 +154,7 @@ def step_breakdown(
     }
     if cuda:
         result["busy_ms"] = round(_union_us(events) / 1000, 3)
+        result["exposed_comm_ms"] = _exposed_comm_ms(events)
     result["host_syncs"] = _host_syncs(cpu_ops, chains)
     return result
 
@@ -307,12 +309,53 @@ def _self_time_samples(cpu_ops):
 
 
 def _union_us(events) -> float:
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in device_work(events))
-    total, end = 0.0, float("-inf")
+    return _length(_merged(device_work(events)))
+
+
+# NCCL's kernels by what they run; any other device work is compute (copies included).
+_COMM_KERNELS = {
+    "fsdp": ("AllGather", "ReduceScatter"),
+    "all_to_all": ("SendRecv", "AllToAll"),
+    "all_reduce": ("AllReduce",),
+}
+
+
+def _exposed_comm_ms(events) -> dict[str, float]:
+    """Per kind of collective, the time its kernels run while no compute kernel does: where
+    the step waits on the link (or on a peer), not time the collective hides behind work."""
+    work = device_work(events)
+    compute = _merged([e for e in work if not e.name.startswith("nccl")])
+    exposed = {}
+    for kind, parts in _COMM_KERNELS.items():
+        comm = _merged([e for e in work if any(p in e.name for p in parts)])
+        exposed[kind] = round(_length(comm) / 1000 - _overlap(comm, compute) / 1000, 3)
+    return exposed
+
+
+def _merged(events) -> list[tuple[float, float]]:
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in events)
+    merged: list[tuple[float, float]] = []
     for start, stop in intervals:
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        else:
+            merged.append((start, stop))
+    return merged
+
+
+def _length(intervals) -> float:
+    return sum(stop - start for start, stop in intervals)
+
+
+def _overlap(a, b) -> float:
+    """Length of the intersection of two sorted lists of disjoint intervals."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
     return total
 
 
@@ -320,8 +363,9 @@ def exchange_kernels(events, trace_start_us: float) -> list[tuple[float, float]]
     """(start, end) of each all-to-all kernel of the step in order, in wall-clock us (the
     ranks of one host share that clock): what a rank tells rank 0 for `step_breakdown`."""
     kernels = [e for e in device_work(events) if any(p in e.name for p in _EXCHANGE_KERNELS)]
-    return sorted((trace_start_us + k.time_range.start, trace_start_us + k.time_range.end)
-                  for k in kernels)
+    return sorted(
+        (trace_start_us + k.time_range.start, trace_start_us + k.time_range.end) for k in kernels
+    )
 
 
 _EXCHANGE_KERNELS = ("SendRecv", "AllToAll")

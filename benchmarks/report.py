@@ -355,6 +355,7 @@ def _breakdown_table(data: dict) -> list[str]:
         shares = [_pct(categories[c] / total) if total else None for c in CATEGORY_NAMES]
         step_ms = r["step_time_s"] * 1000
         busy = breakdown.get("busy_ms")
+        exposed = breakdown.get("exposed_comm_ms", {})
         rows.append(
             [
                 r["flavor"],
@@ -362,6 +363,8 @@ def _breakdown_table(data: dict) -> list[str]:
                 r["cp"],
                 f"{step_ms:.1f}",
                 _ms(busy),
+                _ms(exposed.get("fsdp")),
+                _ms(exposed.get("all_to_all")),
                 *shares,
                 _pct(gdn_kernel_share(r)),
                 _pct(gdn_kernel_share(r, layer_only=True)),
@@ -371,11 +374,14 @@ def _breakdown_table(data: dict) -> list[str]:
     if not rows:
         return []
     measure = _ok(data["results"])[0].get("breakdown", {}).get("measure", "kernel time")
-    headings = ["flavor", "seq_len", "cp", "step ms", "busy ms", *CATEGORY_NAMES.values()]
+    headings = ["flavor", "seq_len", "cp", "step ms", "busy ms", "exposed FSDP ms"]
+    headings += ["exposed a2a ms", *CATEGORY_NAMES.values()]
     headings += ["GDN block: rule+conv", "GDN layer: rule+conv", "host syncs"]
     intro = [
         f"Where the time goes (one profiled step; share of summed {measure}, which overlaps "
-        "across streams; busy = time any kernel runs; GDN block = delta rule + conv share of "
+        "across streams; busy = time any kernel runs; exposed = time the collectives' "
+        "kernels run while no compute kernel does (runs before this column existed: empty); "
+        "GDN block = delta rule + conv share of "
         "the GDN decoder blocks' time without FSDP; GDN layer = the same share of the blocks' "
         "time without the MLP's GEMMs (the block's GEMM time split by the linear weights of "
         "the layer and of the MLP); host syncs = times the host waited for the device, "

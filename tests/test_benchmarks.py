@@ -329,6 +329,24 @@ def test_gpu_kernels_are_attributed_to_blocks_collectives_and_directions():
     assert by_direction["backward"]["median_kernel_ms"] == 0.008
 
 
+def test_exposed_communication_is_collective_time_without_compute_beside_it():
+    """An FSDP all-gather half hidden behind a GEMM, an all-to-all alone, and a clipping
+    all-reduce beside a copy: each kind counts only the time no compute kernel runs."""
+    from benchmarks.breakdown import step_breakdown
+
+    kernels = [
+        _kernel(1, "ncclDevKernel_AllGather_RING_LL", 0, 20),
+        _kernel(2, "nvjet_hsh_64x8", 10, 30),
+        _kernel(3, "ncclDevKernel_ReduceScatter_RING", 25, 45),  # 5 us under the GEMM
+        _kernel(4, "ncclDevKernel_SendRecv", 50, 58),
+        _kernel(5, "ncclDevKernel_AllReduce_Sum_f32", 60, 70),
+        _kernel(6, "Memcpy DtoD (Device -> Device)", 62, 66),
+    ]
+    result = step_breakdown(kernels, ["linear_attention"], cuda=True)
+    assert result["exposed_comm_ms"] == {"fsdp": 0.025, "all_to_all": 0.008, "all_reduce": 0.006}
+    assert result["busy_ms"] == 0.063  # 0-45, 50-58, 60-70
+
+
 def _one_exchange_each_way():
     """A block whose forward sends to heads and whose backward sends back, on rank 0."""
     forward = _event(1, "bench::forward", 0, 100, is_user_annotation=True)
