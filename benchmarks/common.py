@@ -128,6 +128,7 @@ class Runtime:
     rank: int
     world_size: int
     _dims: dict = field(default_factory=dict)
+    _host_group: object = None
 
     @property
     def cuda(self) -> bool:
@@ -140,6 +141,12 @@ class Runtime:
     def barrier(self) -> None:
         # A reduction, not dist.barrier: under NCCL it waits on this rank's own device.
         self.any_rank(False)
+
+    def host_barrier(self) -> None:
+        """Ranks meet on the host, launching nothing on the device (so nothing in a profile)."""
+        if self._host_group is None:
+            self._host_group = dist.new_group(backend="gloo")
+        dist.barrier(group=self._host_group)
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is True on any: how ranks agree on a failure."""
