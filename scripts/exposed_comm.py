@@ -13,9 +13,16 @@ stretches with their offset from the step's first kernel.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from collections import defaultdict
 from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "comm_overlap", Path(__file__).resolve().parent / "comm_overlap.py"
+)
+comm_overlap = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(comm_overlap)
 
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 PHASES = ("bench::documents", "bench::forward", "bench::loss", "bench::clip_grad_norm")
@@ -25,7 +32,7 @@ def exposed_stretches(events: list[dict]) -> tuple[list[dict], float]:
     """Exposed parts of each collective kernel: kernel name, start, end (us); and the step's
     first device timestamp."""
     work = [e for e in events if e.get("cat") in DEVICE_WORK and "dur" in e]
-    compute = _merged(
+    compute = comm_overlap._merged(
         (e["ts"], e["ts"] + e["dur"]) for e in work if not e["name"].startswith("nccl")
     )
     stretches = []
@@ -59,16 +66,6 @@ def kind(kernel: str) -> str:
         if part in kernel:
             return part
     return kernel[:40]
-
-
-def _merged(intervals) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
 
 
 def _uncovered(covered: list[tuple[float, float]], start: float, end: float):
