@@ -43,9 +43,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _train(dump: Path, *overrides: str, ngpu: int = 1, config: Path = DEBUG_CONFIG):
-    """run_train.sh with `overrides`; returns (exit code, output, {step: (loss str, docs)})."""
-    env = {**os.environ, "NGPU": str(ngpu), "CONFIG_FILE": str(config), "LOG_RANK": "0"}
+def _train(
+    dump: Path, *overrides: str, ngpu: int = 1, config: Path = DEBUG_CONFIG, log_rank: str = "0"
+):
+    """run_train.sh with `overrides`, showing the output of the local ranks in `log_rank`;
+    returns (exit code, output, {step: (loss str, docs)})."""
+    env = {**os.environ, "NGPU": str(ngpu), "CONFIG_FILE": str(config), "LOG_RANK": log_rank}
     command = ["bash", "run_train.sh", "--job.dump_folder", str(dump), *SMALL, *overrides]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
@@ -283,7 +286,13 @@ def test_hf_checkpoint_imports_trains_and_exports_for_transformers(hf_qwen3_5, t
 
 
 def _expect_failure_before_training(tmp_path, message: str, *overrides: str, ngpu: int = 1):
-    code, output, steps = _train(tmp_path / "run", "--training.steps", "2", *overrides, ngpu=ngpu)
+    # Every rank's output: the first rank to raise ends the run, and torchrun stops the others
+    # before they print (rank 0 alone raced rank 1 and lost at times).
+    every_rank = ",".join(str(rank) for rank in range(ngpu))
+    dump = tmp_path / "run"
+    code, output, steps = _train(
+        dump, "--training.steps", "2", *overrides, ngpu=ngpu, log_rank=every_rank
+    )
     assert code != 0, output[-6000:]
     assert message in output, output[-6000:]
     assert not steps and "Training starts" not in output, output[-6000:]
