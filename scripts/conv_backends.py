@@ -1,8 +1,11 @@
-"""Pick the GDN conv backend by measurement: FLA's Triton kernel, causal-conv1d's CUDA kernel, and
-the torch formulation compiled by inductor on its own (`torch-compiled`: what the conv would cost
-if compiled blocks traced it instead of calling the opaque op; no model backend runs it so).
+"""Pick the GDN conv backend by measurement: `fla` (FLA's Triton forward and our Triton backward,
+`titan_gdn.ops.conv_backward`: what the model runs), `fla-own-backward` (FLA's conv end to end,
+its autograd: forward, then a forward recompute and its backward kernel), causal-conv1d's CUDA
+kernel, and the torch formulation compiled by inductor on its own (`torch-compiled`: what the
+conv would cost if compiled blocks traced it instead of calling the opaque op; no model backend
+runs it so). `--tilings` also times the backward alone: FLA's, and ours at several tile sizes.
 
-    python scripts/conv_backends.py [--json out.json]
+    python scripts/conv_backends.py [--json out.json] [--backends fla ...] [--tilings]
 
 On a packed row of random documents at the conv width of the 0.8B/2B (6144 channels: q, k, v)
 and 4B (8192) flavors, each available backend's bf16 output and gradients are checked against
@@ -18,8 +21,9 @@ import statistics
 
 import torch
 
-from titan_gdn.ops import conv
+from titan_gdn.ops import conv, conv_backward
 from titan_gdn.ops.conv import causal_conv1d_silu
+from titan_gdn.ops.documents import documents_and_chunks
 
 CHANNELS = (6144, 8192)
 LENGTHS = (8192, 32768, 131072)
@@ -41,6 +45,10 @@ _COMPILED_TORCH = torch.compile(conv._causal_conv1d_torch, fullgraph=True)
 def _conv(backend, x, w, cu):
     if backend == "torch-compiled":
         return _COMPILED_TORCH(x, w, cu)
+    if backend == "fla-own-backward":
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        return causal_conv1d(x, weight=w, activation="silu", backend="triton", cu_seqlens=cu)[0]
     return causal_conv1d_silu(x, w, cu, backend)
 
 
@@ -65,11 +73,52 @@ def _median_ms(backend, x, w, cu, grad) -> float:
     return statistics.median(times[5:])
 
 
+def _fla_backward(grad, x, w, cu):
+    from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
+
+    cu, chunk_indices = documents_and_chunks(cu)
+    kwargs = dict(dht=None, weight=w, activation="silu", cu_seqlens=cu, chunk_indices=chunk_indices)
+    return causal_conv1d_bwd(x=x, dy=grad, **kwargs)[:2]
+
+
+def _backward_ms(x, w, cu, grad, tiling) -> float:
+    """Our backward alone at `tiling`, or FLA's (its recompute + backward kernels) for None."""
+    x, w, grad = (t.to(torch.bfloat16) for t in (x, w, grad))
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if tiling is None:
+            _fla_backward(grad, x, w, cu)
+        else:
+            conv_backward.causal_conv1d_silu_backward(grad, x, w, cu, *tiling)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[5:])
+
+
+TILINGS = [
+    (64, 128, 8),
+    (64, 128, 4),
+    (32, 128, 4),
+    (128, 128, 8),
+    (64, 256, 8),
+    (32, 256, 8),
+    (64, 64, 4),
+    (128, 64, 4),
+]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
+    parser.add_argument(
+        "--backends", nargs="+", default=["fla", "fla-own-backward", "torch-compiled"]
+    )
+    parser.add_argument("--tilings", action="store_true")
     args = parser.parse_args()
-    backends = ["fla", "torch-compiled"]
+    backends = list(args.backends)
     backends += ["causal_conv1d"] if importlib.util.find_spec("causal_conv1d") else []
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -94,9 +143,14 @@ def main() -> None:
                 )
                 rows.append(row)
                 print(
-                    f"{backend:>14} C={channels:5d} L={length:6d} docs={len(cu) - 1:4d} "
+                    f"{backend:>16} C={channels:5d} L={length:6d} docs={len(cu) - 1:4d} "
                     f"fwd+bwd {ms:8.3f} ms  max rel err vs fp32 {error:.2e}"
                 )
+            for tiling in [None, *TILINGS] if args.tilings else []:
+                ms = _backward_ms(x, w, cu, grad, tiling)
+                rows.append(dict(tiling=tiling, channels=channels, tokens=length, bwd_ms=ms))
+                name = "FLA's" if tiling is None else f"ours, (BT, BD, warps) = {tiling}"
+                print(f"  backward alone, {name}: {ms:8.3f} ms")
     if args.json:
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
         with open(args.json, "w") as f:

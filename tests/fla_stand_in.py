@@ -93,16 +93,15 @@ def _bind(real_fn, args, kwargs, *names):
 
 
 class FlaConvStandIn:
-    """FLA's public causal conv and its backward as the conv op calls them, computed by the
-    torch reference (a backward through autograd); counts the convolutions each runs.
-    Made before FLA's functions are patched: it binds calls to their signatures."""
+    """FLA's public causal conv as the conv op calls it, and our Triton conv backward
+    (`titan_gdn.ops.conv_backward`), computed by the torch reference (a backward through
+    autograd); counts the convolutions each runs. Made before the functions are patched: it
+    binds calls to FLA's signature."""
 
     def __init__(self):
         from fla.modules import causal_conv1d as fla_conv
-        from fla.modules.causal_conv1d import ops as fla_conv_ops
 
         self.real_forward = fla_conv.causal_conv1d
-        self.real_backward = fla_conv_ops.causal_conv1d_bwd
         self.forward_calls = 0
         self.backward_calls = 0
 
@@ -115,15 +114,12 @@ class FlaConvStandIn:
         self.forward_calls += 1
         return _causal_conv1d_torch(x, weight, cu_seqlens), None
 
-    def causal_conv1d_bwd(self, *args, **kwargs):
+    def causal_conv1d_silu_backward(self, dy, x, weight, cu_seqlens):
         from titan_gdn.ops.conv import _causal_conv1d_torch
 
-        names = ("x", "dy", "weight", "activation", "cu_seqlens")
-        x, dy, weight, activation, cu_seqlens = _bind(self.real_backward, args, kwargs, *names)
-        assert activation == "silu"
         self.backward_calls += 1
         leaves = [x.detach().requires_grad_(), weight.detach().requires_grad_()]
         with recording_autograd():
             y = _causal_conv1d_torch(*leaves, cu_seqlens)
             dx, dw = torch.autograd.grad(y, leaves, dy)
-        return dx, dw, None, None, None
+        return dx, dw

@@ -115,13 +115,16 @@ def test_document_chunks_are_fla_s_chunk_indices():
         assert torch.equal(chunk_indices, expected)
 
 
-def test_fla_conv_op_calls_flas_backward_without_rerunning_the_forward(monkeypatch):
+def test_fla_conv_op_calls_its_backward_kernel_without_rerunning_the_forward(monkeypatch):
     from fla.modules import causal_conv1d as fla_conv
-    from fla.modules.causal_conv1d import ops as fla_conv_ops
+
+    from titan_gdn.ops import conv_backward
 
     stand_in = FlaConvStandIn()
     monkeypatch.setattr(fla_conv, "causal_conv1d", stand_in.causal_conv1d)
-    monkeypatch.setattr(fla_conv_ops, "causal_conv1d_bwd", stand_in.causal_conv1d_bwd)
+    monkeypatch.setattr(
+        conv_backward, "causal_conv1d_silu_backward", stand_in.causal_conv1d_silu_backward
+    )
     gen = torch.Generator().manual_seed(1)
     x, weight = torch.randn(1, TOKENS, 24, generator=gen), torch.randn(24, 4, generator=gen)
     grad = torch.randn(1, TOKENS, 24, generator=gen)

@@ -57,23 +57,14 @@ def _causal_conv1d_silu(x, weight, cu_seqlens, backend):
 
 
 def _causal_conv1d_silu_backward(grad, x, weight, cu_seqlens, backend):
-    """FLA's conv backward, which needs only the inputs (it recomputes the pre-activation
-    itself): no forward rerun under autograd first. None for the other backends."""
+    """With FLA's forward, our one-kernel backward (`conv_backward`), which needs only the
+    inputs: no forward rerun under autograd first, and none inside it either. None for the
+    other backends (their forward is recomputed under autograd)."""
     if backend != "fla":
         return None
-    from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
+    from titan_gdn.ops.conv_backward import causal_conv1d_silu_backward
 
-    cu_seqlens, chunk_indices = cached_documents_and_chunks()(cu_seqlens)
-    dx, dw, _, _, _ = causal_conv1d_bwd(
-        x=x,
-        dy=grad.contiguous(),
-        dht=None,
-        weight=weight,
-        activation="silu",
-        cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices,
-    )
-    return [dx, dw]
+    return list(causal_conv1d_silu_backward(grad, x, weight, cu_seqlens))
 
 
 _causal_conv1d_silu_op = input_saving_op(

@@ -1,0 +1,58 @@
+"""The Triton conv backward (`titan_gdn.ops.conv_backward`) against autograd through the torch
+conv in float64, run on CPU by Triton's interpreter (in a child process: the interpreter is
+chosen when the kernel is defined). The GPU run of the same kernel is tests/gpu/test_model_gpu.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHECK = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from titan_gdn.ops.conv import _causal_conv1d_torch
+    from titan_gdn.ops.conv_backward import BLOCK_T, causal_conv1d_silu_backward
+
+    seed, length, channels, kernel = (int(a) for a in sys.argv[1:])
+    gen = torch.Generator().manual_seed(seed)
+    # Boundaries at and next to tile edges, one-token documents, trailing empty documents.
+    cuts = {BLOCK_T, BLOCK_T + 1, 2 * BLOCK_T - 1, 1, 2}
+    cuts |= set(torch.randint(1, length, (length // 40,), generator=gen).tolist())
+    cuts = sorted(c for c in cuts if 0 < c < length)
+    cu = torch.tensor([0, *cuts, length, length, length], dtype=torch.int32)
+    x = torch.randn(1, length, channels, generator=gen, dtype=torch.float64)
+    w = 0.5 * torch.randn(channels, kernel, generator=gen, dtype=torch.float64)
+    dy = torch.randn(1, length, channels, generator=gen, dtype=torch.float64)
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    _causal_conv1d_torch(*leaves, cu).backward(dy)
+    dx, dw = causal_conv1d_silu_backward(dy.float(), x.float(), w.float(), cu)
+
+    def relative(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    print(json.dumps({"dx": relative(dx, leaves[0].grad), "dw": relative(dw, leaves[1].grad),
+                      "dtypes": [str(dx.dtype), str(dw.dtype)]}))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "seed, length, channels, kernel",
+    [(0, 300, 96, 4), (1, 129, 64, 4), (2, 200, 40, 3)],
+)
+def test_backward_matches_autograd_through_the_torch_conv(seed, length, channels, kernel):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    args = [str(v) for v in (seed, length, channels, kernel)]
+    run = subprocess.run(
+        [sys.executable, "-c", CHECK, *args], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    errors = json.loads(run.stdout.strip().splitlines()[-1])
+    # fp32 kernel against the torch conv, which computes in fp32 too: float rounding only.
+    assert errors["dx"] < 1e-5 and errors["dw"] < 1e-5, errors
+    assert errors["dtypes"] == ["torch.float32", "torch.float32"]
