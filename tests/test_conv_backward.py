@@ -18,7 +18,7 @@ CHECK = textwrap.dedent(
     from titan_gdn.ops.conv import _causal_conv1d_torch
     from titan_gdn.ops.conv_backward import BLOCK_T, causal_conv1d_silu_backward
 
-    seed, length, channels, kernel = (int(a) for a in sys.argv[1:])
+    seed, length, channels, kernel, programs_per_sm = (int(a) for a in sys.argv[1:])
     gen = torch.Generator().manual_seed(seed)
     # Boundaries at and next to tile edges, one-token documents, trailing empty documents.
     cuts = {BLOCK_T, BLOCK_T + 1, 2 * BLOCK_T - 1, 1, 2}
@@ -30,7 +30,9 @@ CHECK = textwrap.dedent(
     dy = torch.randn(1, length, channels, generator=gen, dtype=torch.float64)
     leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
     _causal_conv1d_torch(*leaves, cu).backward(dy)
-    dx, dw = causal_conv1d_silu_backward(dy.float(), x.float(), w.float(), cu)
+    dx, dw = causal_conv1d_silu_backward(
+        dy.float(), x.float(), w.float(), cu, programs_per_sm=programs_per_sm
+    )
 
     def relative(a, b):
         return ((a.double() - b).norm() / b.norm()).item()
@@ -41,13 +43,17 @@ CHECK = textwrap.dedent(
 )
 
 
+# programs_per_sm = 1: one program streams every tile of its channels through one scratch slot
+# (the interpreter counts 2 multiprocessors); 8: a program or more per tile.
 @pytest.mark.parametrize(
-    "seed, length, channels, kernel",
-    [(0, 300, 96, 4), (1, 129, 64, 4), (2, 200, 40, 3)],
+    "seed, length, channels, kernel, programs_per_sm",
+    [(0, 300, 96, 4, 1), (1, 129, 64, 4, 8), (2, 200, 40, 3, 1), (3, 300, 96, 4, 8)],
 )
-def test_backward_matches_autograd_through_the_torch_conv(seed, length, channels, kernel):
+def test_backward_matches_autograd_through_the_torch_conv(
+    seed, length, channels, kernel, programs_per_sm
+):
     env = dict(os.environ, TRITON_INTERPRET="1")
-    args = [str(v) for v in (seed, length, channels, kernel)]
+    args = [str(v) for v in (seed, length, channels, kernel, programs_per_sm)]
     run = subprocess.run(
         [sys.executable, "-c", CHECK, *args], env=env, capture_output=True, text=True
     )
