@@ -98,16 +98,16 @@ def _backward_ms(x, w, cu, grad, tiling) -> float:
     return statistics.median(times[5:])
 
 
-# (BT, BD, warps, programs per multiprocessor): the arguments after cu_seqlens.
+# (rows per chunk, channels per program, warps): the arguments after cu_seqlens.
 TILINGS = [
-    (64, 64, 4, 8),
-    (64, 64, 4, 4),
-    (64, 64, 4, 16),
-    (64, 128, 8, 8),
-    (64, 128, 4, 4),
-    (32, 64, 4, 8),
-    (128, 64, 4, 4),
-    (32, 128, 4, 8),
+    (128, 512, 4),
+    (256, 512, 4),
+    (64, 512, 4),
+    (128, 256, 2),
+    (128, 1024, 4),
+    (128, 1024, 8),
+    (128, 256, 4),
+    (256, 256, 2),
 ]
 
 
@@ -150,7 +150,7 @@ def main() -> None:
             for tiling in [None, *TILINGS] if args.tilings else []:
                 ms = _backward_ms(x, w, cu, grad, tiling)
                 rows.append(dict(tiling=tiling, channels=channels, tokens=length, bwd_ms=ms))
-                name = "FLA's" if tiling is None else f"ours, (BT, BD, warps, programs/SM) = {tiling}"
+                name = "FLA's" if tiling is None else f"ours, (chunk, BD, warps) = {tiling}"
                 print(f"  backward alone, {name}: {ms:8.3f} ms")
     if args.json:
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)

@@ -58,13 +58,13 @@ def _causal_conv1d_silu(x, weight, cu_seqlens, backend):
 
 def _causal_conv1d_silu_backward(grad, x, weight, cu_seqlens, backend):
     """With FLA's forward, our one-kernel backward (`conv_backward`), which needs only the
-    inputs: no forward rerun under autograd first, and none inside it either. None for the
-    other backends (their forward is recomputed under autograd)."""
-    if backend != "fla":
-        return None
-    from titan_gdn.ops.conv_backward import causal_conv1d_silu_backward
+    inputs: no forward rerun first. None for the other backends and for filters of other
+    widths than the kernel's (their forward is recomputed under autograd)."""
+    from titan_gdn.ops import conv_backward
 
-    return list(causal_conv1d_silu_backward(grad, x, weight, cu_seqlens))
+    if backend != "fla" or weight.shape[1] != conv_backward.TAPS:
+        return None
+    return list(conv_backward.causal_conv1d_silu_backward(grad, x, weight, cu_seqlens))
 
 
 _causal_conv1d_silu_op = input_saving_op(
