@@ -83,9 +83,13 @@ def _conv_silu_backward_kernel(
     x1 = _row(x, top, cols, in_cols, L, D)
     x2 = _row(x, top - 1, cols, in_cols, L, D)
     x3 = _row(x, top - 2, cols, in_cols, L, D)
+    # g at t+1, t+2, t+3: three zeros of their own. Triton carries a name through the loop
+    # only if its value changes in the body, so with one shared zero `g3 = g2` looked
+    # unchanged and g2, g3 stayed zero (compiled only: the interpreter runs Python).
+    g1 = tl.zeros([BD], dtype=tl.float32)
+    g2 = tl.zeros([BD], dtype=tl.float32)
+    g3 = tl.zeros([BD], dtype=tl.float32)
     zeros = tl.zeros([BD], dtype=tl.float32)
-    g1, g2, g3 = zeros, zeros, zeros  # g at t+1, t+2, t+3
-    start1, start2, start3 = L, L, L  # their documents' starts (L: no row, no contribution)
     dw0, dw1, dw2, dw3 = zeros, zeros, zeros, zeros
     for i in range(0, top - first + 1):
         t = top - i
@@ -97,8 +101,12 @@ def _conv_silu_backward_kernel(
         y += tl.where(in3, w0 * x0, 0.0)
         sig = 1.0 / (1.0 + tl.exp(-y))
         g = _row(dy, t, cols, in_cols, L, D) * sig * (1.0 + y * (1.0 - sig))
-        b_dx = w3 * g + tl.where(start1 <= t, w2 * g1, 0.0) + tl.where(start2 <= t, w1 * g2, 0.0)
-        b_dx += tl.where(start3 <= t, w0 * g3, 0.0)
+        # Row t+s reaches dx[t] only from t's document (rows past L have g = 0).
+        in_doc1 = tl.load(starts + t + 1, mask=t + 1 < L, other=0) <= t
+        in_doc2 = tl.load(starts + t + 2, mask=t + 2 < L, other=0) <= t
+        in_doc3 = tl.load(starts + t + 3, mask=t + 3 < L, other=0) <= t
+        b_dx = w3 * g + tl.where(in_doc1, w2 * g1, 0.0) + tl.where(in_doc2, w1 * g2, 0.0)
+        b_dx += tl.where(in_doc3, w0 * g3, 0.0)
         owned = t < end
         out = dx + t.to(tl.int64) * D + cols
         tl.store(out, b_dx.to(dx.dtype.element_ty), mask=in_cols & (_per_column(t, cols) < end))
@@ -107,14 +115,8 @@ def _conv_silu_backward_kernel(
         dw2 += tl.where(in1, g_owned * x2, 0.0)
         dw1 += tl.where(in2, g_owned * x3, 0.0)
         dw0 += tl.where(in3, g_owned * x0, 0.0)
-        # Slide the windows one row back, one name at a time: compiled by Triton 3.6,
-        # `g1, g2, g3 = g, g1, g2` gave a dx 70% off, as if the names were assigned in order.
-        g3, start3 = g2, start2
-        g2, start2 = g1, start1
-        g1, start1 = g, tl.where(t < L, start, L)
-        x1 = x2
-        x2 = x3
-        x3 = x0
+        g1, g2, g3 = g, g1, g2  # the windows slide one row back
+        x1, x2, x3 = x2, x3, x0
     partial = dw_partial + i_c * 4 * D + cols
     tl.store(partial, dw0, mask=in_cols)
     tl.store(partial + D, dw1, mask=in_cols)
