@@ -18,7 +18,7 @@ CHECK = textwrap.dedent(
     from titan_gdn.ops.conv import _causal_conv1d_torch
     from titan_gdn.ops.conv_backward import causal_conv1d_silu_backward
 
-    seed, length, channels, chunk, block_d, programs_per_sm = (int(a) for a in sys.argv[1:])
+    seed, length, channels, chunk, block_d = (int(a) for a in sys.argv[1:])
     gen = torch.Generator().manual_seed(seed)
     # Boundaries at and next to chunk edges, one-token documents, trailing empty documents.
     cuts = {chunk - 2, chunk - 1, chunk, chunk + 1, 2 * chunk - 1, 1, 2}
@@ -30,9 +30,7 @@ CHECK = textwrap.dedent(
     dy = torch.randn(1, length, channels, generator=gen, dtype=torch.float64)
     leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
     _causal_conv1d_torch(*leaves, cu).backward(dy)
-    dx, dw = causal_conv1d_silu_backward(
-        dy.float(), x.float(), w.float(), cu, chunk, block_d, programs_per_sm=programs_per_sm
-    )
+    dx, dw = causal_conv1d_silu_backward(dy.float(), x.float(), w.float(), cu, chunk, block_d)
 
     def relative(a, b):
         return ((a.double() - b).norm() / b.norm()).item()
@@ -44,19 +42,15 @@ CHECK = textwrap.dedent(
 
 
 # Chunks of a few rows, so that documents and row ends cross them in every way; strips of
-# channels that the channels fill (64 of 64, 32 of 96) or not (64 of 96, 32 of 40, 512 of 24);
-# programs walking several chunks each (the interpreter counts one multiprocessor, so
-# programs_per_sm = 1 gives one program per strip) or one chunk each (64).
+# channels that the channels fill (64 of 64, 32 of 96) or not (64 of 96, 32 of 40, 512 of 24).
 @pytest.mark.parametrize(
-    "seed, length, channels, chunk, block_d, programs_per_sm",
-    [(0, 300, 96, 16, 64, 1), (1, 129, 64, 32, 64, 64), (2, 200, 40, 8, 32, 3),
-     (3, 37, 24, 128, 512, 1), (4, 150, 96, 7, 32, 64)],
+    "seed, length, channels, chunk, block_d",
+    [(0, 300, 96, 16, 64), (1, 129, 64, 32, 64), (2, 200, 40, 8, 32), (3, 37, 24, 128, 512),
+     (4, 150, 96, 7, 32)],
 )  # fmt: skip
-def test_backward_matches_autograd_through_the_torch_conv(
-    seed, length, channels, chunk, block_d, programs_per_sm
-):
+def test_backward_matches_autograd_through_the_torch_conv(seed, length, channels, chunk, block_d):
     env = dict(os.environ, TRITON_INTERPRET="1")
-    args = [str(v) for v in (seed, length, channels, chunk, block_d, programs_per_sm)]
+    args = [str(v) for v in (seed, length, channels, chunk, block_d)]
     run = subprocess.run(
         [sys.executable, "-c", CHECK, *args], env=env, capture_output=True, text=True
     )

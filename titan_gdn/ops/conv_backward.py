@@ -27,12 +27,10 @@ import triton
 import triton.language as tl
 
 TAPS = 4  # the windows are written out for this width
-# Rows per chunk, channels per program, warps, and programs per multiprocessor
-# (`scripts/conv_backends.py --tilings` times others).
+# Rows per chunk, channels per program and warps (`scripts/conv_backends.py --tilings`).
 CHUNK = 128
 BLOCK_D = 512
 NUM_WARPS = 4
-PROGRAMS_PER_SM = 8
 
 
 def causal_conv1d_silu_backward(
@@ -43,7 +41,6 @@ def causal_conv1d_silu_backward(
     chunk: int = CHUNK,
     block_d: int = BLOCK_D,
     num_warps: int = NUM_WARPS,
-    programs_per_sm: int = PROGRAMS_PER_SM,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dx [1, L, C] (x's dtype) and dw [C, 4] (weight's dtype) of silu(conv(x, weight))."""
     _, length, channels = x.shape
@@ -51,25 +48,15 @@ def causal_conv1d_silu_backward(
         raise ValueError(f"this conv backward is for {TAPS} taps, got weight {tuple(weight.shape)}")
     x, grad, weight = x.contiguous(), grad.contiguous(), weight.contiguous()
     block_d = min(block_d, triton.next_power_of_2(channels))
-    columns, chunks = triton.cdiv(channels, block_d), triton.cdiv(length, chunk)
-    # A program walks every programs-th chunk of its channels, so the dw partials (one per
-    # program, summed after: no atomics, the same sum on every run) stay a few MiB at any
-    # length; one per chunk was 0.6 GB at 786k tokens.
-    wanted = triton.cdiv(programs_per_sm * _multiprocessors(x.device), columns)
-    programs = triton.cdiv(chunks, triton.cdiv(chunks, wanted))  # chunks spread evenly
+    chunks = triton.cdiv(length, chunk)
     dx = torch.empty_like(x)
-    dw_partial = torch.empty(programs, TAPS, channels, device=x.device, dtype=torch.float32)
-    _conv_silu_backward_kernel[(columns, programs)](
-        x, weight, grad, document_starts(cu_seqlens, length), dx, dw_partial, length, chunks,
+    # One partial dw per chunk, summed after: no atomics, the same sum on every run.
+    dw_partial = torch.empty(chunks, TAPS, channels, device=x.device, dtype=torch.float32)
+    _conv_silu_backward_kernel[(triton.cdiv(channels, block_d), chunks)](
+        x, weight, grad, document_starts(cu_seqlens, length), dx, dw_partial, length,
         D=channels, CHUNK=chunk, BD=block_d, num_warps=num_warps,
     )  # fmt: skip
     return dx, dw_partial.sum(0).t().to(weight.dtype)
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's interpreter, in the CPU tests
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def document_starts(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
@@ -81,34 +68,15 @@ def document_starts(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
 
 @triton.jit
 def _conv_silu_backward_kernel(
-    x, w, dy, starts, dx, dw_partial, L, chunks,
+    x, w, dy, starts, dx, dw_partial, L,
     D: tl.constexpr, CHUNK: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
-    i_d, i_p = tl.program_id(0), tl.program_id(1)
+    i_d, i_c = tl.program_id(0), tl.program_id(1)
     cols = i_d * BD + tl.arange(0, BD)
     in_cols = cols < D
     w0, w1 = _tap(w, cols, D, 0), _tap(w, cols, D, 1)
     w2, w3 = _tap(w, cols, D, 2), _tap(w, cols, D, 3)
-    zeros = tl.zeros([BD], dtype=tl.float32)
-    dw0, dw1, dw2, dw3 = zeros, zeros, zeros, zeros
-    for c in range(i_p, chunks, tl.num_programs(1)):
-        dw0, dw1, dw2, dw3 = _walk_chunk(
-            x, dy, starts, dx, c * CHUNK, L, cols, in_cols, w0, w1, w2, w3,
-            dw0, dw1, dw2, dw3, D, CHUNK, BD,
-        )  # fmt: skip
-    partial = dw_partial + i_p * 4 * D + cols
-    tl.store(partial, dw0, mask=in_cols)
-    tl.store(partial + D, dw1, mask=in_cols)
-    tl.store(partial + 2 * D, dw2, mask=in_cols)
-    tl.store(partial + 3 * D, dw3, mask=in_cols)
-
-
-@triton.jit
-def _walk_chunk(
-    x, dy, starts, dx, first, L, cols, in_cols, w0, w1, w2, w3, dw0, dw1, dw2, dw3,
-    D: tl.constexpr, CHUNK: tl.constexpr, BD: tl.constexpr,
-):  # fmt: skip
-    """dx of rows [first, first + CHUNK), and dw0..dw3 plus theirs."""
+    first = i_c * CHUNK
     end = tl.minimum(first + CHUNK, L)
     # Rows end+2 down to first; the three after the chunk only fill the g window.
     top = end + 2
@@ -121,6 +89,8 @@ def _walk_chunk(
     g1 = tl.zeros([BD], dtype=tl.float32)
     g2 = tl.zeros([BD], dtype=tl.float32)
     g3 = tl.zeros([BD], dtype=tl.float32)
+    zeros = tl.zeros([BD], dtype=tl.float32)
+    dw0, dw1, dw2, dw3 = zeros, zeros, zeros, zeros
     for i in range(0, top - first + 1):
         t = top - i
         x0 = _row(x, t - 3, cols, in_cols, L, D)  # x1..x3 hold x at t, t-1, t-2
@@ -147,7 +117,11 @@ def _walk_chunk(
         dw0 += tl.where(in3, g_owned * x0, 0.0)
         g1, g2, g3 = g, g1, g2  # the windows slide one row back
         x1, x2, x3 = x2, x3, x0
-    return dw0, dw1, dw2, dw3
+    partial = dw_partial + i_c * 4 * D + cols
+    tl.store(partial, dw0, mask=in_cols)
+    tl.store(partial + D, dw1, mask=in_cols)
+    tl.store(partial + 2 * D, dw2, mask=in_cols)
+    tl.store(partial + 3 * D, dw3, mask=in_cols)
 
 
 @triton.jit
