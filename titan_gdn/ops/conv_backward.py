@@ -50,7 +50,10 @@ def causal_conv1d_silu_backward(
     block_d = min(block_d, triton.next_power_of_2(channels))
     chunks = triton.cdiv(length, chunk)
     dx = torch.empty_like(x)
-    # One partial dw per chunk, summed after: no atomics, the same sum on every run.
+    # One partial dw per chunk, summed after: no atomics, the same sum on every run. They
+    # take 1/16 of x's bf16 bytes (0.6 GB at 786k tokens x 6144 channels), where FLA's
+    # backward recomputed the pre-activation into a copy of x. Fewer, longer programs (each
+    # walking several chunks) were slower: 1.17 against 0.76 ms at 6144 x 32k.
     dw_partial = torch.empty(chunks, TAPS, channels, device=x.device, dtype=torch.float32)
     _conv_silu_backward_kernel[(triton.cdiv(channels, block_d), chunks)](
         x, weight, grad, document_starts(cu_seqlens, length), dx, dw_partial, length,
