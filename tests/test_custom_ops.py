@@ -115,7 +115,12 @@ def test_document_chunks_are_fla_s_chunk_indices():
         assert torch.equal(chunk_indices, expected)
 
 
-def test_fla_conv_op_calls_its_backward_kernel_without_rerunning_the_forward(monkeypatch):
+# 4 taps (every Qwen3.5 config): our backward kernel, no forward rerun; other widths: FLA's
+# forward recomputed under autograd and differentiated.
+@pytest.mark.parametrize("taps, calls", [(4, (1, 1)), (3, (2, 0))])
+def test_fla_conv_op_backward_kernel_for_4_taps_forward_recomputed_for_others(
+    monkeypatch, taps, calls
+):
     from fla.modules import causal_conv1d as fla_conv
 
     from titan_gdn.ops import conv_backward
@@ -126,7 +131,7 @@ def test_fla_conv_op_calls_its_backward_kernel_without_rerunning_the_forward(mon
         conv_backward, "causal_conv1d_silu_backward", stand_in.causal_conv1d_silu_backward
     )
     gen = torch.Generator().manual_seed(1)
-    x, weight = torch.randn(1, TOKENS, 24, generator=gen), torch.randn(24, 4, generator=gen)
+    x, weight = torch.randn(1, TOKENS, 24, generator=gen), torch.randn(24, taps, generator=gen)
     grad = torch.randn(1, TOKENS, 24, generator=gen)
     results = {}
     for backend in ("torch", "fla"):
@@ -134,6 +139,6 @@ def test_fla_conv_op_calls_its_backward_kernel_without_rerunning_the_forward(mon
         out = conv._causal_conv1d_silu_op(*leaves, CU_SEQLENS, backend)
         out.backward(grad)
         results[backend] = (out, *(leaf.grad for leaf in leaves))
-    assert (stand_in.forward_calls, stand_in.backward_calls) == (1, 1)
+    assert (stand_in.forward_calls, stand_in.backward_calls) == calls
     for name, got, want in zip(("out", "dx", "dw"), results["fla"], results["torch"], strict=True):
         assert relative_error(got, want) <= 1e-6, name
