@@ -59,18 +59,23 @@ def _run(backend, x, w, cu, grad, dtype):
     return out, xs.grad, ws.grad
 
 
-def _median_ms(backend, x, w, cu, grad) -> float:
-    xs, ws = (t.detach().to(torch.bfloat16).requires_grad_() for t in (x, w))
-    grad = grad.to(torch.bfloat16)
+def _median_ms(run) -> float:
+    """Median of 20 CUDA-event timings of `run()`, after 5 untimed calls."""
     times = []
     for _ in range(25):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        _conv(backend, xs, ws, cu).backward(grad)
+        run()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times[5:])
+
+
+def _fwd_bwd_ms(backend, x, w, cu, grad) -> float:
+    xs, ws = (t.detach().to(torch.bfloat16).requires_grad_() for t in (x, w))
+    grad = grad.to(torch.bfloat16)
+    return _median_ms(lambda: _conv(backend, xs, ws, cu).backward(grad))
 
 
 def _fla_backward(grad, x, w, cu):
@@ -84,18 +89,9 @@ def _fla_backward(grad, x, w, cu):
 def _backward_ms(x, w, cu, grad, tiling) -> float:
     """Our backward alone at `tiling`, or FLA's (its recompute + backward kernels) for None."""
     x, w, grad = (t.to(torch.bfloat16) for t in (x, w, grad))
-    times = []
-    for _ in range(25):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        if tiling is None:
-            _fla_backward(grad, x, w, cu)
-        else:
-            conv_backward.causal_conv1d_silu_backward(grad, x, w, cu, *tiling)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[5:])
+    if tiling is None:
+        return _median_ms(lambda: _fla_backward(grad, x, w, cu))
+    return _median_ms(lambda: conv_backward.causal_conv1d_silu_backward(grad, x, w, cu, *tiling))
 
 
 # (rows per chunk, channels per program, warps): the arguments after cu_seqlens.
@@ -133,7 +129,7 @@ def main() -> None:
             for backend in backends:
                 result = _run(backend, x, w, cu, grad, torch.bfloat16)
                 error = max(_relative_error(a, b) for a, b in zip(result, reference, strict=True))
-                ms = _median_ms(backend, x, w, cu, grad)
+                ms = _fwd_bwd_ms(backend, x, w, cu, grad)
                 row = dict(
                     backend=backend,
                     channels=channels,
