@@ -7,7 +7,11 @@ import torch.nn.functional as F
 
 from titan_gdn.ops.backends import resolve_backend
 from titan_gdn.ops.custom_op import input_saving_op
-from titan_gdn.ops.documents import cached_documents_and_chunks
+from titan_gdn.ops.documents import (
+    cached_documents_and_chunks,
+    token_document_starts,
+    token_documents,
+)
 
 CONV_BACKENDS = ("causal_conv1d", "fla", "torch")
 
@@ -77,15 +81,9 @@ _causal_conv1d_silu_op = input_saving_op(
 )
 
 
-def _positions_in_document(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
-    index = torch.arange(length, device=cu_seqlens.device)
-    document = torch.searchsorted(cu_seqlens[1:].long(), index, right=True)
-    return index - cu_seqlens.long()[document]
-
-
 def _causal_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor):
     length, kernel = x.shape[1], weight.shape[1]
-    positions = _positions_in_document(cu_seqlens, length)
+    positions = torch.arange(length, device=x.device) - token_document_starts(cu_seqlens, length)
     xf = F.pad(x[0].float(), (0, 0, kernel - 1, 0))
     w = weight.float()
     out = torch.zeros(length, x.shape[2], device=x.device, dtype=torch.float32)
@@ -102,8 +100,6 @@ def _causal_conv1d_cuda(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch
 
     # The CUDA kernel restarts at documents through `seq_idx`, which it accepts only with a
     # channel-last layout: a [1, L, C] contiguous tensor seen as [1, C, L].
-    length = x.shape[1]
-    index = torch.arange(length, device=x.device)
-    seq_idx = torch.searchsorted(cu_seqlens[1:].long(), index, right=True).to(torch.int32)[None]
+    seq_idx = token_documents(cu_seqlens, x.shape[1]).to(torch.int32)[None]
     out = causal_conv1d_fn(x.transpose(1, 2), weight, bias=None, seq_idx=seq_idx, activation="silu")
     return out.transpose(1, 2)

@@ -15,6 +15,19 @@ import torch
 FLA_CHUNK_SIZE = 64
 
 
+def token_documents(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The document of each of the first `num_tokens` tokens (int64 [num_tokens]): the last
+    one starting at or before the token, so an empty document, which holds no token, is
+    never anyone's."""
+    token = torch.arange(num_tokens, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].long(), token, right=True)
+
+
+def token_document_starts(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Where each token's document starts (int64 [num_tokens])."""
+    return cu_seqlens.long()[token_documents(cu_seqlens, num_tokens)]
+
+
 def documents_and_chunks(
     cu_seqlens: torch.Tensor, chunk_size: int = FLA_CHUNK_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor]:

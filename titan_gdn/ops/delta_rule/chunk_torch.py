@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from titan_gdn.ops.documents import token_documents
+
 
 def chunk_gated_delta_rule_torch(
     q: torch.Tensor,
@@ -72,8 +74,8 @@ class DocumentChunkLayout:
         first, last, padded_total = torch.stack([bounds[0], bounds[-1], padded_starts[-1]]).tolist()
         if first != 0 or last != num_tokens:
             raise ValueError(f"cu_seqlens must start at 0 and end at T={num_tokens}: {cu_seqlens}")
+        document = token_documents(bounds, num_tokens)
         token = torch.arange(num_tokens, device=bounds.device)
-        document = torch.searchsorted(bounds, token, right=True) - 1
         position = padded_starts[document] + token - bounds[document]
         num_chunks = padded_total // chunk_size
         # Empty trailing documents start at chunk `num_chunks`: the spare slot absorbs them.
