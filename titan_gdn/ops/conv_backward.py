@@ -81,30 +81,40 @@ def _conv_silu_backward_kernel(
     x1 = _row(x, top, cols, in_cols, L, D)
     x2 = _row(x, top - 1, cols, in_cols, L, D)
     x3 = _row(x, top - 2, cols, in_cols, L, D)
+    # Each step's loads are issued a step ahead (x of t-3, dy of t, where t's document
+    # starts), so they arrive while the step before does its math.
+    x_next = _row(x, top - 3, cols, in_cols, L, D)
+    dy_next = _row(dy, top, cols, in_cols, L, D)
+    start_next = _start(starts, top, L)
     # g at t+1, t+2, t+3: three zeros of their own. Triton carries a name through the loop
     # only if its value changes in the body, so with one shared zero `g3 = g2` looked
     # unchanged and g2, g3 stayed zero (compiled only: the interpreter runs Python).
     g1 = tl.zeros([BD], dtype=tl.float32)
     g2 = tl.zeros([BD], dtype=tl.float32)
     g3 = tl.zeros([BD], dtype=tl.float32)
+    # Where the documents of rows t+1, t+2, t+3 start (rows past L: 0, and their g is 0).
+    start1, start2, start3 = (
+        _start(starts, top + 1, L),
+        _start(starts, top + 2, L),
+        _start(starts, top + 3, L),
+    )
     zeros = tl.zeros([BD], dtype=tl.float32)
     dw0, dw1, dw2, dw3 = zeros, zeros, zeros, zeros
     for i in range(0, top - first + 1):
         t = top - i
-        x0 = _row(x, t - 3, cols, in_cols, L, D)  # x1..x3 hold x at t, t-1, t-2
-        start = tl.load(starts + t, mask=t < L, other=0)
+        x0, dy_t, start = x_next, dy_next, start_next  # x1..x3 hold x at t, t-1, t-2
+        x_next = _row(x, t - 4, cols, in_cols, L, D)
+        dy_next = _row(dy, t - 1, cols, in_cols, L, D)
+        start_next = _start(starts, t - 1, L)
         # Lag j reads x[t-j] only inside t's document.
         in1, in2, in3 = t - 1 >= start, t - 2 >= start, t - 3 >= start
         y = w3 * x1 + tl.where(in1, w2 * x2, 0.0) + tl.where(in2, w1 * x3, 0.0)
         y += tl.where(in3, w0 * x0, 0.0)
         sig = 1.0 / (1.0 + tl.exp(-y))
-        g = _row(dy, t, cols, in_cols, L, D) * sig * (1.0 + y * (1.0 - sig))
-        # Row t+s reaches dx[t] only from t's document (rows past L have g = 0).
-        in_doc1 = tl.load(starts + t + 1, mask=t + 1 < L, other=0) <= t
-        in_doc2 = tl.load(starts + t + 2, mask=t + 2 < L, other=0) <= t
-        in_doc3 = tl.load(starts + t + 3, mask=t + 3 < L, other=0) <= t
-        b_dx = w3 * g + tl.where(in_doc1, w2 * g1, 0.0) + tl.where(in_doc2, w1 * g2, 0.0)
-        b_dx += tl.where(in_doc3, w0 * g3, 0.0)
+        g = dy_t * sig * (1.0 + y * (1.0 - sig))
+        # Row t+s reaches dx[t] only from t's document.
+        b_dx = w3 * g + tl.where(start1 <= t, w2 * g1, 0.0) + tl.where(start2 <= t, w1 * g2, 0.0)
+        b_dx += tl.where(start3 <= t, w0 * g3, 0.0)
         owned = t < end
         out = dx + t.to(tl.int64) * D + cols
         tl.store(out, b_dx.to(dx.dtype.element_ty), mask=in_cols & (_per_column(t, cols) < end))
@@ -115,6 +125,7 @@ def _conv_silu_backward_kernel(
         dw0 += tl.where(in3, g_owned * x0, 0.0)
         g1, g2, g3 = g, g1, g2  # the windows slide one row back
         x1, x2, x3 = x2, x3, x0
+        start1, start2, start3 = start, start1, start2
     partial = dw_partial + i_c * 4 * D + cols
     tl.store(partial, dw0, mask=in_cols)
     tl.store(partial + D, dw1, mask=in_cols)
@@ -128,6 +139,12 @@ def _row(x, t, cols, in_cols, L, D: tl.constexpr):
     rows = _per_column(t, cols)
     mask = in_cols & (rows >= 0) & (rows < L)
     return tl.load(x + t.to(tl.int64) * D + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _start(starts, t, L):
+    """Where row t's document starts; 0 outside the rows."""
+    return tl.load(starts + t, mask=(t >= 0) & (t < L), other=0)
 
 
 @triton.jit
