@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_gdn.ops.documents import token_document_starts
+from titan_gdn.ops.documents import cached_token_document_starts
 
 TAPS = 4  # the windows are written out for this width
 # Rows per chunk, channels per program and warps (`scripts/conv_backends.py --tilings`).
@@ -58,7 +58,7 @@ def causal_conv1d_silu_backward(
     # walking several chunks) were slower: 1.17 against 0.76 ms at 6144 x 32k.
     dw_partial = torch.empty(chunks, TAPS, channels, device=x.device, dtype=torch.float32)
     _conv_silu_backward_kernel[(triton.cdiv(channels, block_d), chunks)](
-        x, weight, grad, token_document_starts(cu_seqlens, length).int(), dx, dw_partial, length,
+        x, weight, grad, cached_token_document_starts(cu_seqlens, length), dx, dw_partial, length,
         D=channels, CHUNK=chunk, BD=block_d, num_warps=num_warps,
     )  # fmt: skip
     return dx, dw_partial.sum(0).t().to(weight.dtype)
