@@ -106,6 +106,10 @@ def test_model_on_gpu_kernels_matches_the_torch_path():
         return [relative_error(a, b) for a, b in zip(run(model, torch.bfloat16), fp32, strict=True)]
 
     gpu_error, torch_error = errors(reference), errors(torch_path)
+    names = ["logits"] + [name for name, _ in sorted(reference.named_parameters())]
+    ratios = sorted(range(len(fp32)), key=lambda i: gpu_error[i] / torch_error[i])
+    for i in ratios[-3:]:
+        print(f"{names[i]}: GPU {gpu_error[i]:.3e}, torch {torch_error[i]:.3e}")
     worst = max(range(1, len(fp32)), key=lambda i: gpu_error[i] / torch_error[i])
     print(
         f"model vs fp32 torch: logits bf16 GPU kernels {gpu_error[0]:.2e}, bf16 torch ops "
