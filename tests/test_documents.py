@@ -7,7 +7,8 @@ from titan_gdn.ops.documents import cached_token_document_starts, token_document
 
 def _random_boundaries(generator):
     """cu_seqlens with 1-token and empty documents, then fixed-capacity padding."""
-    lengths = torch.randint(0, 9, (int(torch.randint(1, 12, (1,), generator=generator)),))
+    count = int(torch.randint(1, 12, (1,), generator=generator))
+    lengths = torch.randint(0, 9, (count,), generator=generator)
     lengths[torch.rand(lengths.shape, generator=generator) < 0.2] = 1
     cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     padding = cu_seqlens[-1:].expand(int(torch.randint(0, 4, (1,), generator=generator)))
