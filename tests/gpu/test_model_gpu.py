@@ -70,19 +70,13 @@ def test_flex_attention_matches_dense_sdpa():
     assert max(errors) <= 1e-2
 
 
-def test_model_on_gpu_kernels_matches_the_torch_path():
-    """0.8B-shaped layers (4 of them), packed rows: the bf16 GPU kernels against fp32 torch ops.
-
-    Four bf16 layers drift from fp32 by more than one op's rounding, whatever the kernels;
-    so the bar is the torch ops' own bf16 drift: the GPU kernels may not add to it (x1.5).
-    """
-    args = copy.deepcopy(qwen3_5_args["0.8B"])
-    args.n_layers, args.layer_types, args.vocab_size = 4, None, 4096
-    args.__post_init__()
-    torch.manual_seed(2)
+def _model_errors(args, seed):
+    """Relative errors of the logits and of every parameter's gradient against the fp32 torch
+    path, for the bf16 GPU kernels and for the bf16 torch ops, on one draw of weights and rows."""
+    torch.manual_seed(seed)
     reference = Qwen35Model(args)
     reference.init_weights()
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seed + 1)
     tokens = _packed_tokens(gen, 2, 2048, args.vocab_size).cuda()
 
     def run(model, dtype):
@@ -105,16 +99,34 @@ def test_model_on_gpu_kernels_matches_the_torch_path():
     def errors(model):
         return [relative_error(a, b) for a, b in zip(run(model, torch.bfloat16), fp32, strict=True)]
 
-    gpu_error, torch_error = errors(reference), errors(torch_path)
     names = ["logits"] + [name for name, _ in sorted(reference.named_parameters())]
-    ratios = sorted(range(len(fp32)), key=lambda i: gpu_error[i] / torch_error[i])
-    for i in ratios[-3:]:
-        print(f"{names[i]}: GPU {gpu_error[i]:.3e}, torch {torch_error[i]:.3e}")
-    worst = next(i for i in reversed(ratios) if i > 0)  # the worst parameter
+    return names, torch.tensor(errors(reference)), torch.tensor(errors(torch_path))
+
+
+def test_model_on_gpu_kernels_matches_the_torch_path():
+    """0.8B-shaped layers (4 of them), packed rows: the bf16 GPU kernels against fp32 torch ops.
+
+    Four bf16 layers drift from fp32 by more than one op's rounding, whatever the kernels;
+    so the bar is the torch ops' own bf16 drift: the GPU kernels may not add to it (x1.5).
+    Both drifts vary from run to run (the order of atomic adds in the bf16 torch ops' backward,
+    the tile sizes FLA's autotuner picks): for a parameter as small as A_log one draw's ratio
+    wanders by about 15%, so each error is the mean over three independent draws.
+    """
+    args = copy.deepcopy(qwen3_5_args["0.8B"])
+    args.n_layers, args.layer_types, args.vocab_size = 4, None, 4096
+    args.__post_init__()
+    draws = [_model_errors(args, seed) for seed in (2, 12, 22)]
+    names = draws[0][0]
+    gpu_error = torch.stack([gpu for _, gpu, _ in draws]).mean(0)
+    torch_error = torch.stack([ops for _, _, ops in draws]).mean(0)
+    ratio = gpu_error / torch_error
+    for i in ratio.argsort()[-3:].tolist():
+        print(f"{names[i]}: GPU {gpu_error[i]:.3e}, torch {torch_error[i]:.3e}", end="; ")
+        print("per draw GPU/torch", [f"{g[i] / t[i]:.2f}" for _, g, t in draws])
     print(
-        f"model vs fp32 torch: logits bf16 GPU kernels {gpu_error[0]:.2e}, bf16 torch ops "
-        f"{torch_error[0]:.2e}; worst gradient: GPU {gpu_error[worst]:.2e}, torch "
-        f"{torch_error[worst]:.2e}; max gradient error GPU {max(gpu_error[1:]):.2e}"
+        f"model vs fp32 torch, mean of {len(draws)} draws: logits bf16 GPU kernels "
+        f"{gpu_error[0]:.2e}, bf16 torch ops {torch_error[0]:.2e}; largest GPU/torch ratio "
+        f"{ratio.max():.2f}; max gradient error GPU {gpu_error[1:].max():.2e}"
     )
-    for gpu, torch_ops in zip(gpu_error, torch_error, strict=True):
-        assert gpu <= 1.5 * torch_ops + 1e-3
+    for name, gpu, torch_ops in zip(names, gpu_error, torch_error, strict=True):
+        assert gpu <= 1.5 * torch_ops + 1e-3, name
