@@ -103,30 +103,44 @@ def _model_errors(args, seed):
     return names, torch.tensor(errors(reference)), torch.tensor(errors(torch_path))
 
 
+def _per_head_gate(name: str) -> bool:
+    return name.endswith(("A_log", "dt_bias"))
+
+
 def test_model_on_gpu_kernels_matches_the_torch_path():
     """0.8B-shaped layers (4 of them), packed rows: the bf16 GPU kernels against fp32 torch ops.
 
     Four bf16 layers drift from fp32 by more than one op's rounding, whatever the kernels;
-    so the bar is the torch ops' own bf16 drift: the GPU kernels may not add to it (x1.5).
-    Both drifts vary from run to run (the order of atomic adds in the bf16 torch ops' backward,
-    the tile sizes FLA's autotuner picks): for a parameter as small as A_log one draw's ratio
-    wanders by about 15%, so each error is the mean over three independent draws.
+    so the bar is the torch ops' own bf16 drift: the GPU kernels may not add to it (x1.5),
+    for the mean error over independent draws of weights and rows.
+
+    A_log's and dt_bias's gradients are one number per head, each a sum over all tokens of
+    terms of both signs: their relative error is mostly cancellation, and in 93 draws on an
+    H200 the GPU/torch ratio of one such tensor in one draw ran from 0.2 to 5.2 (median 0.99),
+    the other tensors' from 0.95 to 1.24. So those six tensors are held to the bar pooled
+    (their summed error over all draws); the per-token gate gradient they are summed from
+    reaches in_proj_a's gradient without cancelling, and that is held to the bar per tensor.
     """
     args = copy.deepcopy(qwen3_5_args["0.8B"])
     args.n_layers, args.layer_types, args.vocab_size = 4, None, 4096
     args.__post_init__()
-    draws = [_model_errors(args, seed) for seed in (2, 12, 22)]
+    draws = [_model_errors(args, seed) for seed in range(2, 122, 10)]
     names = draws[0][0]
     gpu_error = torch.stack([gpu for _, gpu, _ in draws]).mean(0)
     torch_error = torch.stack([ops for _, _, ops in draws]).mean(0)
+    gate = torch.tensor([_per_head_gate(name) for name in names])
+    assert gate.sum() == 6, "three GDN layers' A_log and dt_bias"
     ratio = gpu_error / torch_error
-    for i in ratio.argsort()[-3:].tolist():
-        print(f"{names[i]}: GPU {gpu_error[i]:.3e}, torch {torch_error[i]:.3e}", end="; ")
-        print("per draw GPU/torch", [f"{g[i] / t[i]:.2f}" for _, g, t in draws])
+    for i in ratio.masked_fill(gate, 0).argsort()[-3:].tolist():
+        print(f"{names[i]}: GPU {gpu_error[i]:.3e}, torch {torch_error[i]:.3e}")
+    pooled_gpu, pooled_torch = gpu_error[gate].sum(), torch_error[gate].sum()
     print(
         f"model vs fp32 torch, mean of {len(draws)} draws: logits bf16 GPU kernels "
         f"{gpu_error[0]:.2e}, bf16 torch ops {torch_error[0]:.2e}; largest GPU/torch ratio "
-        f"{ratio.max():.2f}; max gradient error GPU {gpu_error[1:].max():.2e}"
+        f"{ratio[~gate].max():.2f}; A_log and dt_bias pooled: GPU {pooled_gpu:.3e}, torch "
+        f"{pooled_torch:.3e} (per tensor {ratio[gate].min():.2f}-{ratio[gate].max():.2f})"
     )
     for name, gpu, torch_ops in zip(names, gpu_error, torch_error, strict=True):
-        assert gpu <= 1.5 * torch_ops + 1e-3, name
+        if not _per_head_gate(name):
+            assert gpu <= 1.5 * torch_ops + 1e-3, name
+    assert pooled_gpu <= 1.5 * pooled_torch + 1e-3
