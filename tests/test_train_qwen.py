@@ -31,6 +31,8 @@ DEBUG_CONFIG = REPO / "train_configs" / "debug_model.toml"
 STEP_LOG = re.compile(
     r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+).*?docs:\s*([0-9.,]+)"
 )
+# torchrun's prefix on the lines of a rank other than 0.
+OTHER_RANK = re.compile(r"\[rank[1-9]\d*\]:")
 SMALL = (
     "--training.seq_len", "128",
     "--training.local_batch_size", "2",
@@ -43,18 +45,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _train(
-    dump: Path, *overrides: str, ngpu: int = 1, config: Path = DEBUG_CONFIG, log_rank: str = "0"
-):
-    """run_train.sh with `overrides`, showing the output of the local ranks in `log_rank`;
-    returns (exit code, output, {step: (loss str, docs)})."""
-    env = {**os.environ, "NGPU": str(ngpu), "CONFIG_FILE": str(config), "LOG_RANK": log_rank}
+def _train(dump: Path, *overrides: str, ngpu: int = 1, config: Path = DEBUG_CONFIG):
+    """run_train.sh with `overrides`, showing every rank's output (a rank that fails, even at
+    exit, must show why); returns (exit code, output, {step: (loss str, docs)}) with the steps
+    read from rank 0's lines."""
+    every_rank = ",".join(str(rank) for rank in range(ngpu))
+    env = {**os.environ, "NGPU": str(ngpu), "CONFIG_FILE": str(config), "LOG_RANK": every_rank}
     command = ["bash", "run_train.sh", "--job.dump_folder", str(dump), *SMALL, *overrides]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
+    rank0 = "\n".join(line for line in output.splitlines() if not OTHER_RANK.match(line))
     steps = {
-        int(s): (loss, float(docs.replace(",", "")))
-        for s, loss, _, docs in STEP_LOG.findall(output)
+        int(s): (loss, float(docs.replace(",", ""))) for s, loss, _, docs in STEP_LOG.findall(rank0)
     }
     return result.returncode, output, steps
 
@@ -286,13 +288,9 @@ def test_hf_checkpoint_imports_trains_and_exports_for_transformers(hf_qwen3_5, t
 
 
 def _expect_failure_before_training(tmp_path, message: str, *overrides: str, ngpu: int = 1):
-    # Every rank's output: the first rank to raise ends the run, and torchrun stops the others
-    # before they print (rank 0 alone raced rank 1 and lost at times).
-    every_rank = ",".join(str(rank) for rank in range(ngpu))
-    dump = tmp_path / "run"
-    code, output, steps = _train(
-        dump, "--training.steps", "2", *overrides, ngpu=ngpu, log_rank=every_rank
-    )
+    # Every rank's output (`_train`): the first rank to raise ends the run, and torchrun stops
+    # the others before they print (rank 0 alone raced rank 1 and lost at times).
+    code, output, steps = _train(tmp_path / "run", "--training.steps", "2", *overrides, ngpu=ngpu)
     assert code != 0, output[-6000:]
     assert message in output, output[-6000:]
     assert not steps and "Training starts" not in output, output[-6000:]
