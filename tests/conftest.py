@@ -3,6 +3,9 @@ import copy
 import pytest
 import torch
 
+# How many gpu-marked tests `pytest_collection_modifyitems` deselected, for the line that says so.
+GPU_TESTS_DESELECTED = pytest.StashKey[int]()
+
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| in float64: one number per tensor, scale-free."""
@@ -40,3 +43,29 @@ def hf_qwen3_5():
     from benchmarks.references import transformers_qwen3_5_module
 
     return transformers_qwen3_5_module(torch_path=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without a CUDA device, a bare `pytest` leaves the gpu-marked tests out (deselected, and
+    said so), instead of failing on the first one with "Torch not compiled with CUDA enabled".
+    Any `-m` expression is the user's choice and is left alone: `-m gpu` still runs them."""
+    if config.getoption("markexpr") or torch.cuda.is_available():
+        return
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    config.hook.pytest_deselected(items=gpu_items)
+    items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+    config.stash[GPU_TESTS_DESELECTED] = len(gpu_items)
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
+    """The one line, right after collection, that explains the smaller test count."""
+    deselected = config.stash.get(GPU_TESTS_DESELECTED, 0)
+    if not deselected:
+        return None
+    tests = "test" if deselected == 1 else "tests"
+    return (
+        f"{deselected} GPU {tests} deselected: no CUDA device"
+        " (run them with -m gpu on a GPU machine)"
+    )
