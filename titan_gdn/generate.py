@@ -1,0 +1,401 @@
+"""Sample text from a trained checkpoint, on CPU, in one process.
+
+    python -m titan_gdn.generate --checkpoint outputs/debug_model/checkpoint/step-100 \\
+        --prompt "ROMEO:" --max-new-tokens 200 [--temperature 0.8 --top-k 50 --seed 1]
+
+`--checkpoint` is a step folder as the trainer writes it with `checkpoint.enable` (torchtitan
+DCP, full or `last_save_model_only`) or a Hugging Face folder (config.json + *.safetensors, as
+`checkpoint.last_save_in_hf` exports it). The prompt and the continuation go to stdout; a
+summary line goes to stderr. Each new token costs a full forward over the sequence so far (no
+KV cache): simple and exact, and fast enough for the small models this is meant to inspect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from titan_gdn.model import Qwen35Model, Qwen35ModelArgs, Qwen35StateDictAdapter, qwen3_5_args
+from titan_gdn.model.args import FROM_HF_CONFIG, tokenizer_id_bound
+
+DEFAULT_FLAVOR = "debugmodel"
+DEFAULT_TOKENIZER = "./assets/tokenizer"
+DCP, HF = "dcp", "hf"
+# Top-level state of a full torchtitan checkpoint besides the model (components/checkpoint.py):
+# the model's own keys sit beside these, flattened (`_flattened_model_states_sd`).
+_TRAINING_STATE = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
+_MODEL_PREFIX = "model."
+
+
+class GenerateError(Exception):
+    """A bad command line: reported as one line naming the flag and the fix, exit code 2."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m titan_gdn.generate", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--checkpoint", required=True, help="DCP step folder or HF folder")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (argmax)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument(
+        "--flavor",
+        choices=list(qwen3_5_args),
+        default=None,
+        help=f"model flavor of a DCP checkpoint (default {DEFAULT_FLAVOR}; {FROM_HF_CONFIG} "
+        "reads config.json from --tokenizer); an HF folder's comes from its config.json",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help=f"tokenizer folder (default: the HF folder's own, else {DEFAULT_TOKENIZER})",
+    )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep generating after the end-of-text token (a new document, as in training)",
+    )
+    return parser.parse_args(argv)
+
+
+def check_sampling(args: argparse.Namespace) -> None:
+    """Reject sampling settings that would otherwise fail or be ignored mid-generation."""
+    if args.max_new_tokens < 0:
+        raise GenerateError(f"--max-new-tokens {args.max_new_tokens} is negative; pass 0 or more")
+    if args.temperature < 0:
+        raise GenerateError(
+            f"--temperature {args.temperature} is negative; pass 0 (greedy) or a positive value"
+        )
+    if args.top_k is not None and args.top_k < 1:
+        raise GenerateError(f"--top-k {args.top_k} must be at least 1; omit it to sample all")
+    if args.top_k is not None and args.temperature == 0:
+        raise GenerateError(
+            "--top-k applies to sampling only; pass --temperature T > 0 with it, or drop --top-k"
+        )
+
+
+def checkpoint_format(path: Path) -> str:
+    """DCP or HF, from the files the trainer writes, so that a wrong path fails before any
+    weights are read."""
+    fix = (
+        "pass a step folder written with --checkpoint.enable (e.g. "
+        "outputs/debug_model/checkpoint/step-100) or a --checkpoint.last_save_in_hf export"
+    )
+    if not path.exists():
+        raise GenerateError(f"--checkpoint {path} does not exist; {fix}")
+    if path.is_dir() and (path / ".metadata").is_file():
+        return DCP
+    if path.is_dir() and (path / "config.json").is_file() and _safetensors_files(path):
+        return HF
+    steps = sorted(path.glob("step-*"), key=_step_number) if path.is_dir() else []
+    if steps:
+        raise GenerateError(
+            f"--checkpoint {path} holds checkpoint steps, not one step; pass one of them, "
+            f"e.g. --checkpoint {steps[-1]}"
+        )
+    raise GenerateError(
+        f"--checkpoint {path} is neither a DCP step folder (no .metadata) nor a Hugging Face "
+        f"folder (config.json + *.safetensors); {fix}"
+    )
+
+
+def _step_number(path: Path) -> int:
+    suffix = path.name.removeprefix("step-")
+    return int(suffix) if suffix.isdigit() else -1
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The weight files of an HF folder: those its index names, else the top-level ones
+    (torchtitan's export also leaves per-rank shards in a `sharded/` subfolder)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / name for name in names]
+    return sorted(folder.glob("*.safetensors"))
+
+
+def tokenizer_folder(option: str | None, checkpoint: Path, fmt: str) -> Path:
+    """The --tokenizer folder, else an HF checkpoint's own tokenizer, else the bundled one that
+    the debug config trains with."""
+    if option is not None:
+        return Path(option)
+    if fmt == HF and (checkpoint / "tokenizer.json").is_file():
+        return checkpoint
+    return Path(DEFAULT_TOKENIZER)
+
+
+def model_args(flavor: str | None, checkpoint: Path, fmt: str, tokenizer: Path):
+    """The model's shape: an HF folder's config.json unless --flavor names one; a DCP
+    checkpoint holds no config, so the flavor (or config.json beside the tokenizer, for
+    from_hf_config, as the trainer reads it from model.hf_assets_path)."""
+    if flavor is None and fmt == HF:
+        return _args_from_config(checkpoint / "config.json", "--checkpoint")
+    if flavor == FROM_HF_CONFIG:
+        return _args_from_config(tokenizer / "config.json", "--tokenizer")
+    return copy.deepcopy(qwen3_5_args[flavor or DEFAULT_FLAVOR])
+
+
+def _args_from_config(path: Path, flag: str) -> Qwen35ModelArgs:
+    if not path.is_file():
+        raise GenerateError(
+            f"--flavor {FROM_HF_CONFIG} reads {path}, which does not exist; point {flag} at the "
+            "folder with the model's config.json or pass a named --flavor"
+        )
+    try:
+        return Qwen35ModelArgs.from_hf_config(json.loads(path.read_text()))
+    except (KeyError, ValueError) as problem:
+        raise GenerateError(
+            f"{path} (from {flag}) is not a valid Qwen3.5 config ({problem}); pass a named --flavor"
+        ) from None
+
+
+def build_tokenizer(folder: Path, model: Qwen35ModelArgs):
+    """torchtitan's HF tokenizer, as the trainer builds it; its ids must fit the vocabulary."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    if not (folder / "tokenizer.json").is_file():
+        raise GenerateError(
+            f"--tokenizer {folder} has no tokenizer.json; pass the folder the model was trained "
+            "with (the config's model.hf_assets_path)"
+        )
+    tokenizer = HuggingFaceTokenizer(str(folder))
+    if tokenizer_id_bound(tokenizer) > model.vocab_size:
+        raise GenerateError(
+            f"--tokenizer {folder} has ids up to {tokenizer_id_bound(tokenizer) - 1} but the "
+            f"model's vocab_size is {model.vocab_size}; pass the model's own tokenizer"
+        )
+    return tokenizer
+
+
+def expected_shapes(args: Qwen35ModelArgs) -> dict[str, torch.Size]:
+    """The state dict's shapes for `args`, from a model on the meta device (no memory)."""
+    with torch.device("meta"):
+        return {key: value.shape for key, value in Qwen35Model(args).state_dict().items()}
+
+
+def dcp_model_keys(path: Path) -> dict[str, tuple[str, TensorStorageMetadata]]:
+    """{our key: (key in the checkpoint, its size and dtype)} from a DCP checkpoint's metadata
+    alone. The
+    model's keys are its state_dict keys (possibly under a `model.` prefix); a full
+    checkpoint's optimizer, scheduler, data loader and step state are left out."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    keys = {}
+    for key, meta in metadata.items():
+        if isinstance(meta, TensorStorageMetadata) and not key.startswith(_TRAINING_STATE):
+            keys[key.removeprefix(_MODEL_PREFIX)] = (key, meta)
+    return keys
+
+
+def hf_model_shapes(path: Path, args: Qwen35ModelArgs) -> dict[str, torch.Size]:
+    """Our keys' shapes in an HF folder, from the safetensors headers (no weights read)."""
+    from safetensors import safe_open
+
+    meta = {}
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt") as weights:
+            for key in weights.keys():
+                shape = weights.get_slice(key).get_shape()
+                meta[key] = torch.empty(shape, device="meta")
+    return {key: value.shape for key, value in _adapter(args).from_hf(meta).items()}
+
+
+def _adapter(args: Qwen35ModelArgs) -> Qwen35StateDictAdapter:
+    # The text layout (`model.*`) is assumed; from_hf reads both it and the multimodal one.
+    return Qwen35StateDictAdapter(args, None)
+
+
+def check_shapes(
+    found: dict[str, torch.Size], args: Qwen35ModelArgs, flavor: str | None, path: Path
+) -> None:
+    """Compare the checkpoint's keys and shapes with the flavor's before any weight is read,
+    and name the flavor that fits when one does."""
+    expected = expected_shapes(args)
+    problem = _first_difference(found, expected)
+    if problem is None:
+        return
+    fits = [name for name in qwen3_5_args if _fits(name, found)]
+    fix = f"pass --flavor {fits[0]}" if fits else "pass the --flavor the model was trained with"
+    source = f"--flavor {flavor}" if flavor else f"the config.json of --checkpoint {path}"
+    raise GenerateError(f"{source} does not match --checkpoint {path} ({problem}); {fix}")
+
+
+def _first_difference(found: dict, expected: dict) -> str | None:
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing:
+        return f"{len(missing)} of the model's weights are missing, e.g. {missing[0]}"
+    if extra:
+        return f"{len(extra)} weights are not the model's, e.g. {extra[0]}"
+    for key, shape in expected.items():
+        if tuple(found[key]) != tuple(shape):
+            return f"{key} is {list(found[key])} there but {list(shape)} in the model"
+    return None
+
+
+def _fits(flavor: str, found: dict[str, torch.Size]) -> bool:
+    if flavor == FROM_HF_CONFIG:
+        return False
+    return _first_difference(found, expected_shapes(qwen3_5_args[flavor])) is None
+
+
+def read_state_dict(path: Path, fmt: str, args: Qwen35ModelArgs) -> dict[str, torch.Tensor]:
+    """Every model weight, on CPU, with no process group (dcp.load runs without one)."""
+    if fmt == HF:
+        from safetensors.torch import load_file
+
+        hf = {}
+        for file in _safetensors_files(path):
+            hf.update(load_file(file))
+        return _adapter(args).from_hf(hf)
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp_model_keys(path)
+    stored = {
+        stored_key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for stored_key, meta in keys.values()
+    }
+    with warnings.catch_warnings():
+        # The single-process load is the intent here, not a missing init_process_group.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(stored, checkpoint_id=str(path))
+    return {ours: stored[stored_key] for ours, (stored_key, _) in keys.items()}
+
+
+def load_model(path: Path, fmt: str, args: Qwen35ModelArgs) -> Qwen35Model:
+    """The model in eval mode with the checkpoint's weights (float32, CPU). Built on the meta
+    device and materialized empty: every parameter is then overwritten, so init is skipped."""
+    with torch.device("meta"):
+        model = Qwen35Model(args)
+    model.to_empty(device="cpu")
+    if args.enable_weight_tying:
+        # to_empty gives each module its own new Parameter, which unties them (as in
+        # Qwen35Model.init_weights).
+        model.output.weight = model.tok_embeddings.weight
+    state_dict = read_state_dict(path, fmt, args)
+    model.load_state_dict({key: value.float() for key, value in state_dict.items()}, strict=True)
+    return model.eval()
+
+
+def next_token(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator
+) -> int:
+    """Argmax at temperature 0; else a draw from softmax(logits / T), over the top k if set."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(
+    model: Qwen35Model,
+    tokenizer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    stop_at_eos: bool = True,
+) -> list[int]:
+    """The new token ids (without a final end-of-text). Each step runs the whole sequence with
+    the trainer's document boundaries (`get_attention_masks`), so text after an end-of-text
+    token starts a new document as in training; without `chunked_loss` the model returns
+    logits."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.tensor([prompt_ids], dtype=torch.long)
+    new_ids: list[int] = []
+    for _ in range(max_new_tokens):
+        masks = model.get_attention_masks(tokens, tokenizer)
+        logits = model(tokens, attention_masks=masks)[0, -1]
+        token = next_token(logits, temperature, top_k, generator)
+        if stop_at_eos and token == tokenizer.eos_id:
+            break
+        new_ids.append(token)
+        tokens = torch.cat([tokens, torch.tensor([[token]])], dim=1)
+    return new_ids
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """BOS + the prompt's tokens: a document's start as the packed training data has it."""
+    return tokenizer.encode(prompt, add_bos=True, add_eos=False)
+
+
+def render(tokenizer, prompt: str, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The prompt as typed, then the continuation. The continuation is decoded together with the
+    prompt's tokens and cut after them, so a character split across the boundary decodes."""
+    whole = tokenizer.decode(prompt_ids + new_ids)
+    head = tokenizer.decode(prompt_ids)
+    if whole.startswith(head):
+        return prompt + whole[len(head) :]
+    return prompt + tokenizer.decode(new_ids)
+
+
+def prepare(args: argparse.Namespace):
+    """Every check that needs no weights: the path, the shapes against the flavor, the
+    tokenizer and the prompt's length. Returns (path, format, model args, tokenizer, ids)."""
+    check_sampling(args)
+    path = Path(args.checkpoint)
+    fmt = checkpoint_format(path)
+    tokenizer_path = tokenizer_folder(args.tokenizer, path, fmt)
+    margs = model_args(args.flavor, path, fmt, tokenizer_path)
+    if fmt == DCP:
+        found = {ours: meta.size for ours, (_, meta) in dcp_model_keys(path).items()}
+    else:
+        found = hf_model_shapes(path, margs)
+    check_shapes(found, margs, args.flavor, path)
+    tokenizer = build_tokenizer(tokenizer_path, margs)
+    prompt_ids = encode_prompt(tokenizer, args.prompt)
+    if len(prompt_ids) + args.max_new_tokens > margs.max_seq_len:
+        raise GenerateError(
+            f"--prompt ({len(prompt_ids)} tokens) plus --max-new-tokens {args.max_new_tokens} "
+            f"exceeds the model's max_seq_len {margs.max_seq_len}; ask for fewer tokens"
+        )
+    return path, fmt, margs, tokenizer, prompt_ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        path, fmt, margs, tokenizer, prompt_ids = prepare(args)
+    except GenerateError as error:
+        print(f"python -m titan_gdn.generate: error: {error}", file=sys.stderr)
+        return 2
+    model = load_model(path, fmt, margs)
+    start = time.perf_counter()
+    new_ids = generate(
+        model,
+        tokenizer,
+        prompt_ids,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop_at_eos=not args.ignore_eos,
+    )
+    seconds = time.perf_counter() - start
+    print(render(tokenizer, args.prompt, prompt_ids, new_ids))
+    ended = " (stopped at end-of-text)" if len(new_ids) < args.max_new_tokens else ""
+    mode = "greedy" if args.temperature == 0 else f"T={args.temperature} top_k={args.top_k}"
+    print(
+        f"generated {len(new_ids)} new tokens{ended}, {mode}, in {seconds:.1f} s", file=sys.stderr
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
