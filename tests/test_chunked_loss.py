@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 
@@ -197,3 +198,66 @@ def test_context_parallel_chunked_loss_equals_plain_loss():
     """cp = 2 (so FSDP over 2 ranks too): tied output kept unsharded after forward, and an
     untied output that FSDP reshards after forward."""
     run_on_ranks(2, _check_cp_cases)
+
+
+class _VocabGemmDtypes(TorchDispatchMode):
+    """The operand dtypes of every matrix product with a `vocab`-sized dimension."""
+
+    GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default}
+    GEMMS |= {torch.ops.aten.addmm_.default, torch.ops.aten.addmm.out, torch.ops.aten.bmm.default}
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.seen = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.GEMMS or func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            if any(self.vocab in t.shape for t in tensors):
+                self.seen.append((str(func), tuple(t.dtype for t in tensors)))
+        return func(*args, **kwargs)
+
+
+def _vocab_gemms_of_a_step(model, inputs, labels, vocab) -> list:
+    docs = DocumentBoundaries.from_tokens(inputs, EOS)
+    with _VocabGemmDtypes(vocab) as recorder:
+        pred = model(inputs, attention_masks=docs, chunked_loss=True)
+        qwen3_5_loss(pred, labels).backward()
+    return recorder.seen
+
+
+def _assert_all_in(seen: list, dtype: torch.dtype) -> None:
+    assert len(seen) >= 4, seen  # logits and both gradient GEMMs of at least one group
+    wrong = [(op, dtypes) for op, dtypes in seen if any(d != dtype for d in dtypes)]
+    assert not wrong, f"vocabulary GEMMs outside {dtype}: {wrong}"
+
+
+def test_vocabulary_gemms_run_in_autocasts_dtype_with_fp32_parameters():
+    """One rank without FSDP: fp32 parameters under torchtitan's autocast. Every product with
+    the output weight (logits, d(hidden), d(weight)) runs in bf16; the loss and its gradients
+    still reach the fp32 parameters."""
+    model = _debug_model(tied=False)
+    inputs, labels = _batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        seen = _vocab_gemms_of_a_step(model, inputs, labels, model.output.weight.shape[0])
+    _assert_all_in(seen, torch.bfloat16)
+    assert model.output.weight.grad.dtype == torch.float32
+    assert model.output.weight.grad.abs().sum() > 0
+
+
+def _check_fsdp_gemms(rank, world_size):
+    job = _job_config("default")
+    job.training.mixed_precision_param = "bfloat16"
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=world_size, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=world_size
+    )
+    model = parallelize_qwen3_5(_debug_model(tied=False), dims, job)
+    inputs, labels = _batch()
+    seen = _vocab_gemms_of_a_step(model, inputs, labels, qwen3_5_args["debugmodel"].vocab_size)
+    _assert_all_in(seen, torch.bfloat16)
+
+
+def test_vocabulary_gemms_run_in_fsdps_param_dtype():
+    """FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 master weights) over two ranks."""
+    run_on_ranks(2, _check_fsdp_gemms)

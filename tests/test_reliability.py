@@ -7,6 +7,7 @@ rank's process) or from tests/fixtures/faults.py (a NaN loss, a kill inside DCP'
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -557,12 +558,15 @@ def test_nonfinite_loss_guard_decides_after_the_last_micro_batch():
     for step in (1, 2):
         parameter.grad = torch.randn(4)
         for loss in torch.randn(3):
-            guard.after_backward(step, loss, 3, lambda: [parameter])
+            guard.record(loss)
+            guard.after_backward(step, 3, lambda: [parameter])
         assert parameter.grad is not None
     bad = float(random.choice(["nan", "inf", "-inf"]))
-    guard.after_backward(3, torch.tensor(bad), 2, lambda: [parameter])  # first micro-batch
+    guard.record(torch.tensor(bad))
+    guard.after_backward(3, 2, lambda: [parameter])  # first micro-batch: no decision yet
+    guard.record(torch.tensor(1.0))
     with pytest.raises(NonFiniteLossError) as error:
-        guard.after_backward(3, torch.tensor(1.0), 2, lambda: [parameter])
+        guard.after_backward(3, 2, lambda: [parameter])
     message = str(error.value)
     assert message.startswith("Training stopped at step 3: the loss is NaN or infinite")
     assert "The last complete checkpoint is run/step-4" in message
@@ -715,3 +719,22 @@ def test_a_checkpoint_interrupted_while_written_is_never_resumed_from(uninterrup
     assert "Training starts at step 3" in resumed.output
     _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted)
     assert checkpoint_steps(folder) == ([2, 4, 6], [])  # step 4 written again, whole
+
+
+def test_model_max_seq_len_raises_the_limit_the_validation_names():
+    """A row past the flavor's limit fails naming model.max_seq_len; setting it trains there,
+    with the model built for that length (the trainer's args, not only the check)."""
+    from titan_gdn.model import qwen3_5_args
+    from titan_gdn.validation import validate_job_config
+
+    limit = qwen3_5_args["debugmodel"].max_seq_len
+    too_long = _job_config("--training.seq_len", str(limit + 2))
+    (problem,) = _problems(too_long)
+    assert f"raise model.max_seq_len to at least {limit + 2}" in problem
+    raised = _job_config(
+        "--training.seq_len", str(limit + 2), "--model.max_seq_len", str(limit + 2)
+    )
+    validate_job_config(raised, world_size=1)
+    args = copy.deepcopy(qwen3_5_args["debugmodel"])
+    args.update_from_config(raised)
+    assert args.max_seq_len == limit + 2

@@ -11,6 +11,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Model:
+    max_seq_len: int = 0
+    """The longest training.seq_len the model accepts; 0: the flavor's (Qwen3.5's published
+    max_position_embeddings, 262144). RoPE is computed from each token's position, with no
+    table, so raising it changes nothing else; packed documents restart their positions, so
+    only a single document longer than the published limit goes past what the checkpoint saw."""
+
+
+@dataclass
 class Training:
     skip_nonfinite_loss_steps: int = 0
     """How many consecutive steps with a NaN or infinite loss are skipped (no optimizer update,
@@ -19,6 +28,7 @@ class Training:
 
 @dataclass
 class JobConfig:
+    model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
 
 

@@ -124,14 +124,30 @@ def chunked_cross_entropy(
     (a torch.compile'd `chunk_loss_and_grad` fuses its element-wise work)."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    if needs_grad:
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, step)
-    losses = [
-        step(hidden[s : s + chunk_tokens], weight, labels[s : s + chunk_tokens], None)
-        for s in range(0, hidden.shape[0], chunk_tokens)
-    ]
-    return torch.stack(losses).sum()
+    hidden, weight = _in_compute_dtype(hidden, weight)
+    # Autocast off inside: the operands are already in the compute dtype, and autocast does
+    # not follow the in-place and out= GEMMs anyway; fp32 appears only where it accumulates.
+    with torch.autocast(hidden.device.type, enabled=False):
+        needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        if needs_grad:
+            return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, step)
+        losses = [
+            step(hidden[s : s + chunk_tokens], weight, labels[s : s + chunk_tokens], None)
+            for s in range(0, hidden.shape[0], chunk_tokens)
+        ]
+        return torch.stack(losses).sum()
+
+
+def _in_compute_dtype(
+    hidden: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both operands in the dtype the vocabulary GEMMs should run in: autocast's where it is on
+    (one GPU without FSDP: fp32 parameters, fp32 final norm), else the weight's (FSDP's
+    mixed_precision_param). The casts are differentiable: gradients return in the callers'
+    dtypes."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    return hidden.to(dtype), weight.to(dtype)
 
 
 def qwen3_5_loss(pred, labels: torch.Tensor, *, plain=cross_entropy_loss, step=None):

@@ -1,10 +1,14 @@
 """Stop, or skip, a training step whose loss is NaN or infinite, before the optimizer applies it.
 
-Checked after the last micro-batch's backward and before gradient clipping, on every rank
-together (one all-reduce of a flag), so all ranks take the same decision and none waits in a
-collective the others skipped. A skipped step leaves the weights and the optimizer state as
-they were (its gradients are dropped); its data counts as consumed and the learning-rate
-schedule advances.
+Each micro-batch's loss is checked where it is computed, before its backward (`record`): the
+flag is agreed over the ranks (one all-reduce of a flag, so all ranks take the same decision and
+none waits in a collective the others skipped) and copied to the host without waiting. After the
+step's last backward has been launched, `after_backward` reads those flags: it waits only for the
+forward passes, which the device has long finished by then, so the host keeps the device's queue
+full (reading the loss after backward would wait for the whole backward each step, and leave the
+device idle while the host then launches gradient clipping, the optimizer and the next batch).
+A skipped step leaves the weights and the optimizer state as they were (its gradients are
+dropped); its data counts as consumed and the learning-rate schedule advances.
 """
 
 from __future__ import annotations
@@ -28,27 +32,28 @@ class NonFiniteLossGuard:
         self.max_skips = max_skips
         self.last_checkpoint = last_checkpoint
         self.skipped_in_a_row = 0
-        self._step = -1
-        self._micro_batches = 0
-        self._bad: torch.Tensor | None = None
+        self._pending: list[_HostFlag] = []
+
+    def record(self, loss: torch.Tensor) -> None:
+        """Check one micro-batch's loss (the value backward starts from), before its backward."""
+        bad = (~torch.isfinite(loss.detach()).all()).to(torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        self._pending.append(_HostFlag(bad))
 
     def after_backward(
         self,
         step: int,
-        loss: torch.Tensor,
         micro_batches_per_step: int,
         parameters: Callable[[], Iterable[torch.nn.Parameter]],
     ) -> None:
-        """Record one micro-batch's loss; after the step's last one, let the step go on, skip
-        it (drop the gradients of `parameters()`) or raise `NonFiniteLossError`."""
-        if step != self._step:
-            self._step, self._micro_batches, self._bad = step, 0, None
-        bad = ~torch.isfinite(loss.detach()).all()
-        self._bad = bad if self._bad is None else self._bad | bad
-        self._micro_batches += 1
-        if self._micro_batches < micro_batches_per_step:
+        """After the step's last micro-batch: let the step go on, skip it (drop the gradients of
+        `parameters()`) or raise `NonFiniteLossError`."""
+        if len(self._pending) < micro_batches_per_step:
             return
-        if not _on_any_rank(self._bad):
+        bad = any(flag.value() for flag in self._pending)
+        self._pending = []
+        if not bad:
             self.skipped_in_a_row = 0
             return
         self.skipped_in_a_row += 1
@@ -79,8 +84,20 @@ class NonFiniteLossGuard:
         )
 
 
-def _on_any_rank(flag: torch.Tensor) -> bool:
-    flag = flag.to(torch.int32)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+class _HostFlag:
+    """A device flag on its way to the host: copied without blocking, read when needed (then
+    waiting for the copy alone, not for the work queued after it)."""
+
+    def __init__(self, flag: torch.Tensor):
+        if flag.device.type != "cuda":
+            self._host, self._copied = flag, None
+            return
+        self._host = torch.empty_like(flag, device="cpu", pin_memory=True)
+        self._host.copy_(flag, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def value(self) -> bool:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return bool(self._host.item())

@@ -46,6 +46,7 @@ class Qwen35Trainer(Trainer):
         if job_config.model.name == TRAIN_SPEC_NAME:
             validate_job_config(job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         super().__init__(job_config)
+        self.loss_fn = self._guarded_loss_fn(self.loss_fn)
         self.loss_guard = NonFiniteLossGuard(
             max_skips=setting(job_config, "training", "skip_nonfinite_loss_steps"),
             last_checkpoint=lambda: (
@@ -67,16 +68,27 @@ class Qwen35Trainer(Trainer):
             yield input_dict, labels
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+        self._global_valid_tokens = global_valid_tokens
         loss = super().forward_backward_step(
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
         self.loss_guard.after_backward(
             self.step,
-            loss,
             self.gradient_accumulation_steps,
             parameters=lambda: (p for part in self.model_parts for p in part.parameters()),
         )
         return loss
+
+    def _guarded_loss_fn(self, loss_fn):
+        """`loss_fn`, handing the guard each micro-batch's loss as the trainer scales it (over
+        the global token count: zero valid tokens make it NaN too) before backward starts."""
+
+        def guarded(pred, labels):
+            loss_sum = loss_fn(pred, labels)
+            self.loss_guard.record(loss_sum.detach() / self._global_valid_tokens)
+            return loss_sum
+
+        return guarded
 
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor

@@ -206,6 +206,7 @@ def _model_args(job_config):
     args = copy.deepcopy(qwen3_5_args[job_config.model.flavor])
     if isinstance(args, Qwen35ArgsFromHFConfig):
         args.load_hf_config(job_config)
+    args.apply_max_seq_len(job_config)
     return args
 
 

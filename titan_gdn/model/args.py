@@ -11,6 +11,8 @@ from typing import Any
 from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 
+from titan_gdn.job_config import setting
+
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
@@ -118,6 +120,7 @@ class Qwen35ModelArgs(BaseModelArgs):
         TrainSpec's tokenizer builder calls it again with ``tokenizer=`` so that the vocabulary
         is checked too, before the data loader and the model are built.
         """
+        self.apply_max_seq_len(job_config)
         problems = job_config_problems(self, job_config, kwargs.get("tokenizer"))
         if problems:
             raise ValueError(
@@ -125,6 +128,12 @@ class Qwen35ModelArgs(BaseModelArgs):
                 + "; ".join(problems)
             )
         _settle_cp_load_balancer(job_config)
+
+    def apply_max_seq_len(self, job_config) -> None:
+        """Take `model.max_seq_len` from the job where it is set (0 keeps the flavor's)."""
+        raised = setting(job_config, "model", "max_seq_len")
+        if raised:
+            self.max_seq_len = raised
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         from titan_gdn.model.flops import count_params_and_flops
@@ -225,7 +234,8 @@ def job_config_problems(args: Qwen35ModelArgs, job_config, tokenizer=None) -> li
     if seq_len > args.max_seq_len:
         problems.append(
             f"training.seq_len = {seq_len} exceeds the model's max_seq_len = "
-            f"{args.max_seq_len}; lower training.seq_len"
+            f"{args.max_seq_len}; raise model.max_seq_len to at least {seq_len} (RoPE is "
+            "computed for any position) or lower training.seq_len"
         )
     if cp > 1 and seq_len % cp:
         problems.append(
