@@ -1,9 +1,11 @@
-"""What the throughput and memory benchmarks share: the process group, building a model as the
-trainer does, packed batches, the timed training step, out-of-memory handling, JSON records.
+"""What the throughput and memory benchmarks share: the process group, the trainer of
+`run_train.sh` built for one configuration, rows for the references, out-of-memory handling,
+JSON records.
 
-The step is torchtitan's train step with titan_gdn's pieces (`parallelize_qwen3_5`,
-`prepare_batch`, the chunked loss, torchtitan's optimizer and gradient clipping), without the
-Trainer around it: one process can then build, time and free many configurations in turn.
+Every measured step is the trainer's own (benchmarks/timed_trainer.py): the configuration is a
+TOML config plus `run_train.sh` overrides (`trainer_arguments`), so what is measured is what a
+user runs. One process builds, trains and frees one trainer per configuration in turn; the
+process group is made once and torchtitan's setup reuses it.
 """
 
 from __future__ import annotations
@@ -20,22 +22,19 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from importlib import metadata
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
-from benchmarks.records import OOM_MESSAGES, REPO_ROOT, check_docs, command_line
+from benchmarks.records import OOM_MESSAGES, REPO_ROOT, command_line
 from titan_gdn.cpu import use_cpu_if_no_accelerator
 from titan_gdn.ops.local_memory import outside_allocator_gib
 
-TOKENIZER_PATH = REPO_ROOT / "assets" / "tokenizer"
 GIB = 1024**3
 
 
@@ -83,39 +82,34 @@ class Options:
 
     steps: int = 10
     warmup: int = 3
-    docs: str = "corpus"
-    precision: str = "mixed"
-    compile_backend: str = "auto"
-    lr: float = 3e-4
-    seed: int = 0
-    overrides: tuple[tuple[str, str], ...] = ()
-
-    def resolved_compile_backend(self, cuda: bool) -> str:
-        # Inductor on CPU builds C++ kernels for minutes; aot_eager still traces each block
-        # as one graph.
-        if self.compile_backend == "auto":
-            return "inductor" if cuda else "aot_eager"
-        return self.compile_backend
+    config: str | None = None  # None: each flavor's shipped config (SHIPPED_CONFIGS)
+    compile: str = "config"  # "config" (as the config says), "none", or a backend name
+    overrides: tuple[str, ...] = ()  # more run_train.sh arguments, appended last
 
 
 def options_from_args(args: argparse.Namespace) -> Options:
-    check_docs(args.docs)
     overrides = []
     for item in args.overrides:
         key, sep, value = item.partition("=")
         if not sep or "." not in key:
             raise SystemExit(f"--set {item!r}: expected SECTION.KEY=VALUE")
-        overrides.append((key, value))
+        overrides += _cli_setting(key, value)
     return Options(
         steps=args.steps,
         warmup=args.warmup,
-        docs=args.docs,
-        precision=args.precision,
-        compile_backend=args.compile_backend,
-        lr=args.lr,
-        seed=args.seed,
+        config=args.config,
+        compile=args.compile,
         overrides=tuple(overrides),
     )
+
+
+def _cli_setting(key: str, value: str) -> list[str]:
+    """`key=value` as run_train.sh takes it: booleans are flags (--x.y / --x.no-y)."""
+    section, _, name = key.rpartition(".")
+    if value.lower() in ("true", "false"):
+        prefix = "" if value.lower() == "true" else "no-"
+        return [f"--{section}.{prefix}{name}"]
+    return [f"--{key}", value]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +121,6 @@ class Runtime:
     device: torch.device
     rank: int
     world_size: int
-    _dims: dict = field(default_factory=dict)
     _host_group: object = None
 
     @property
@@ -160,15 +153,6 @@ class Runtime:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor, op=op)
         return tensor.tolist()
-
-    def dims(self, cp: int):
-        """The parallel layout for `cp`, data parallel over the other ranks; built once per
-        degree, since every mesh creates communicators (memory and seconds each)."""
-        if cp not in self._dims:
-            dims = _fsdp_everywhere_dims(cp, self.world_size)
-            dims.build_mesh()
-            self._dims[cp] = dims
-        return self._dims[cp]
 
     def reset_peak_memory(self) -> None:
         _device_module().reset_peak_memory_stats()
@@ -206,35 +190,6 @@ def _device_module():
     return utils.device_module
 
 
-def _fsdp_everywhere_dims(cp: int, world_size: int):
-    from torchtitan.distributed import ParallelDims
-
-    class FsdpEverywhereDims(ParallelDims):
-        """torchtitan's ParallelDims, with FSDP2 on every mesh, a single rank included: one
-        GPU then trains with the mixed precision of two (bf16 compute, fp32 weights and
-        gradient reduction). torchtitan's trainer would use autocast on one GPU instead."""
-
-        @property
-        def fsdp_enabled(self) -> bool:
-            return True
-
-        def _mesh_exist(self, name: str, degree: int) -> bool:
-            return name == "fsdp" or super()._mesh_exist(name, degree)
-
-    if world_size % cp:
-        raise ValueError(f"cp = {cp} does not divide the {world_size} ranks")
-    return FsdpEverywhereDims(
-        dp_replicate=1,
-        dp_shard=world_size // cp,
-        cp=cp,
-        tp=1,
-        pp=1,
-        ep=1,
-        etp=1,
-        world_size=world_size,
-    )
-
-
 def init_runtime(timeout_s: float) -> Runtime:
     """Join the process group torchrun set up, or make a one-process group: NCCL on CUDA,
     gloo on CPU (with titan_gdn's CPU runtime for torchtitan)."""
@@ -270,161 +225,122 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(m in str(error) for m in OOM_MESSAGES)
 
 
-def load_tokenizer():
+def load_tokenizer(job):
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-    return HuggingFaceTokenizer(str(TOKENIZER_PATH))
+    return HuggingFaceTokenizer(job.model.hf_assets_path)
 
 
 # ---------------------------------------------------------------------------------------------
-# Building a model as the trainer does
+# The trainer, as run_train.sh builds it
+
+CONFIG_DIR = REPO_ROOT / "train_configs"
+SHIPPED_CONFIGS = {
+    "debugmodel": "debug_model.toml",
+    "0.8B": "qwen3_5_0.8b.toml",
+    "2B": "qwen3_5_2b.toml",
+}
+BENCHMARK_DUMP_FOLDER = REPO_ROOT / "outputs" / "benchmarks"
 
 
-@dataclass
-class Training:
-    model: torch.nn.Module
-    optimizers: Any
-    loss_fn: Callable
-    dims: Any
-    tokenizer: Any
-    model_args: Any
-    global_tokens: int  # tokens per step over all ranks (each data-parallel rank has a row)
+def config_file(flavor: str, opts: Options) -> str:
+    if opts.config is not None:
+        return opts.config
+    if flavor not in SHIPPED_CONFIGS:
+        raise SystemExit(f"no shipped config for flavor {flavor!r}: pass --config FILE")
+    return str((CONFIG_DIR / SHIPPED_CONFIGS[flavor]).relative_to(REPO_ROOT))
 
 
-def job_config(run: RunConfig, opts: Options, rt: Runtime):
-    from torchtitan.config import JobConfig
-
-    job = JobConfig()
-    job.model.name = "qwen3_5"
-    job.model.flavor = run.flavor
-    job.model.hf_assets_path = str(TOKENIZER_PATH)
-    job.job.dump_folder = str(REPO_ROOT / "outputs" / "benchmarks")
-    training = job.training
-    training.seq_len, training.local_batch_size, training.max_norm = run.seq_len, 1, 1.0
-    training.mixed_precision_param, training.mixed_precision_reduce = "bfloat16", "float32"
-    parallelism = job.parallelism
-    parallelism.context_parallel_degree = run.cp
-    parallelism.data_parallel_shard_degree = -1
-    parallelism.context_parallel_load_balancer = "none"
-    job.activation_checkpoint.mode = run.ac_mode
+def trainer_arguments(run: RunConfig, opts: Options) -> list[str]:
+    """The run_train.sh arguments that train `run`: the config file, the configuration's
+    settings, and what a measurement changes (no checkpoints, no TensorBoard files, its own
+    dump folder). Every one is a setting a user can write too."""
+    arguments = ["--job.config_file", config_file(run.flavor, opts)]
+    arguments += ["--model.flavor", run.flavor, "--training.seq_len", str(run.seq_len)]
+    arguments += ["--parallelism.context_parallel_degree", str(run.cp)]
+    arguments += ["--activation_checkpoint.mode", run.ac_mode]
     if run.ac_option is not None:
-        job.activation_checkpoint.selective_ac_option = run.ac_option
-    backend = opts.resolved_compile_backend(rt.cuda)
-    job.compile.enable = backend != "none"
-    job.compile.components = ["model", "loss"]
-    job.compile.backend = backend
-    job.optimizer.lr = opts.lr
-    job.optimizer.implementation = "fused" if rt.cuda else "foreach"
-    for key, value in opts.overrides:
-        _set_field(job, key, value)
-    return job
+        arguments += ["--activation_checkpoint.selective_ac_option", run.ac_option]
+    if run.seq_len > _flavor_max_seq_len(run.flavor):
+        arguments += ["--model.max_seq_len", str(run.seq_len)]
+    if opts.compile == "none":
+        arguments += ["--compile.no-enable"]
+    elif opts.compile != "config":
+        arguments += ["--compile.enable", "--compile.backend", opts.compile]
+    arguments += ["--checkpoint.no-enable", "--metrics.no-enable-tensorboard"]
+    arguments += ["--job.dump_folder", str(BENCHMARK_DUMP_FOLDER)]
+    return arguments + list(opts.overrides)
 
 
-def _set_field(job, key: str, text: str) -> None:
-    section, name = key.rsplit(".", 1)
-    target = job
-    for part in section.split("."):
-        target = getattr(target, part)
-    if not hasattr(target, name):
-        raise SystemExit(f"--set {key}: JobConfig has no such field")
-    current = getattr(target, name)
-    value: Any = text
-    if isinstance(current, bool):
-        value = text.lower() in ("1", "true", "yes")
-    elif isinstance(current, int | float) or (current is None and _is_number(text)):
-        value = type(current)(text) if current is not None else float(text)
-    elif isinstance(current, list):
-        value = [item for item in text.split(",") if item]
-    setattr(target, name, value)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def model_args(run: RunConfig, job):
+def _flavor_max_seq_len(flavor: str) -> int:
     from titan_gdn.model import qwen3_5_args
 
-    args = copy.deepcopy(qwen3_5_args[run.flavor])
-    # A memory search goes past the flavor's position limit. RoPE is computed from positions
-    # (no table), and packed documents keep positions short, so the limit guards nothing here.
-    args.max_seq_len = max(args.max_seq_len, run.seq_len)
-    args.update_from_config(job)  # the trainer's checks, with their messages
+    return qwen3_5_args[flavor].max_seq_len if flavor in qwen3_5_args else 2**62
+
+
+def trainer_job_config(run: RunConfig, opts: Options):
+    """The JobConfig that `run_train.sh <trainer_arguments>` trains with."""
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(trainer_arguments(run, opts))
+
+
+def model_args(job):
+    """The model args the trainer builds for `job` (its checks, with their messages)."""
+    from titan_gdn.model import qwen3_5_args
+
+    args = copy.deepcopy(qwen3_5_args[job.model.flavor])
+    args.update_from_config(job)
     return args
 
 
-def build_training(run: RunConfig, opts: Options, rt: Runtime, tokenizer) -> Training:
-    from torchtitan.components.optimizer import build_optimizers
+def build_trainer(run: RunConfig, opts: Options, rt: Runtime, profiled_step=None):
+    """The trainer of `run`, stopping after opts.warmup + opts.steps timed steps (and one
+    profiled step with `profiled_step`, a context-manager factory taking the trainer)."""
+    from benchmarks.timed_trainer import TimedTrainer
 
-    from titan_gdn.loss import build_qwen3_5_loss
-    from titan_gdn.model import Qwen35Model
-    from titan_gdn.parallel.parallelize import parallelize_qwen3_5
-
-    job = job_config(run, opts, rt)
-    args = model_args(run, job)
-    dims = rt.dims(run.cp)
-    torch.manual_seed(opts.seed)
-    # As torchtitan's Trainer: parallelize on the meta device, then allocate and initialize.
-    with torch.device("meta"):
-        model = Qwen35Model(args)
-    if opts.precision == "bf16":
-        model.to(torch.bfloat16)
-    model = parallelize_qwen3_5(model, dims, job)
-    model.to_empty(device=rt.device)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
-    optimizers = build_optimizers([model], job.optimizer, dims)
-    dp = rt.world_size // run.cp
-    return Training(
-        model=model,
-        optimizers=optimizers,
-        loss_fn=build_qwen3_5_loss(job),
-        dims=dims,
-        tokenizer=tokenizer,
-        model_args=args,
-        global_tokens=run.seq_len * dp,
+    return TimedTrainer(
+        trainer_job_config(run, opts),
+        warmup=opts.warmup,
+        steps=opts.steps,
+        synchronize=rt.synchronize,
+        reset_peak_memory=rt.reset_peak_memory,
+        profiled_step=profiled_step,
     )
 
 
+def trained(rt: Runtime, trainer) -> tuple[list[float], list[float], list[torch.Tensor]]:
+    """Train `trainer` (its own train loop); each timed step's seconds and host seconds on
+    the slowest rank, and every step's loss."""
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return rt.reduce(trainer.step_seconds), rt.reduce(trainer.host_seconds), trainer.losses
+
+
 # ---------------------------------------------------------------------------------------------
-# Packed batches
+# Packed rows for the references
 
 
 def make_batches(
-    docs: str, tokenizer, seq_len: int, count: int, dp_rank: int, dp_size: int, seed: int
+    job, tokenizer, seq_len: int, count: int, dp_rank: int, dp_size: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`count` rows (inputs, labels), each [1, seq_len], of data-parallel rank `dp_rank`.
+    """`count` rows (inputs, labels), each [1, seq_len], of data-parallel rank `dp_rank`, from
+    the job's dataset packed as the trainer's loader packs it."""
+    from titan_gdn.data import PackedDocumentDataset, build_document_source
 
-    "corpus": the bundled corpus through the project's packing (what training reads);
-    "single": random tokens with no EOS, one document per row; "N": random documents of N
-    tokens. Random ids stay within the tokenizer's vocabulary, like real text.
-    """
-    if docs == "corpus":
-        from titan_gdn.data import PackedDocumentDataset, build_document_source
-
-        dataset = PackedDocumentDataset(
-            build_document_source("tinyshakespeare", None),
-            tokenizer,
-            seq_len,
-            dp_rank=dp_rank,
-            dp_world_size=dp_size,
-            infinite=True,
-        )
-        rows = itertools.islice(iter(dataset), count)
-        return [(sample["input"][None], labels[None]) for sample, labels in rows]
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + dp_rank)
-    vocab, eos = tokenizer.get_vocab_size(), tokenizer.eos_id
-    tokens = torch.randint(0, vocab, (count, seq_len + 1), generator=generator)
-    tokens[tokens == eos] = (eos + 1) % vocab
-    if docs != "single":
-        length = int(docs)
-        tokens[:, length - 1 :: length] = eos
-    return [(row[None, :-1], row[None, 1:]) for row in tokens]
+    training = job.training
+    dataset = PackedDocumentDataset(
+        build_document_source(training.dataset, training.dataset_path),
+        tokenizer,
+        seq_len,
+        dp_rank=dp_rank,
+        dp_world_size=dp_size,
+        infinite=True,
+    )
+    rows = itertools.islice(iter(dataset), count)
+    return [(sample["input"][None], labels[None]) for sample, labels in rows]
 
 
 def document_lengths(inputs: torch.Tensor, eos_id: int) -> list[int]:
@@ -442,70 +358,6 @@ def document_lengths(inputs: torch.Tensor, eos_id: int) -> list[int]:
 def dp_rank(rt: Runtime, cp: int) -> int:
     # torchtitan lays ranks out as [batch, cp]: the cp ranks of one row are adjacent.
     return rt.rank // cp
-
-
-# ---------------------------------------------------------------------------------------------
-# The training step
-
-
-def train_step(t: Training, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """torchtitan's train step: forward, loss over the global token count, backward, gradient
-    clipping, optimizer. The record_function names let the profiler attribute each phase."""
-    from torchtitan.distributed.utils import clip_grad_norm_
-
-    from titan_gdn.trainer import prepare_batch
-
-    with record_function("bench::documents"):
-        inputs, labels, extra_inputs, extra_kwargs = prepare_batch(
-            t.model, t.tokenizer, t.dims, {"input": inputs}, labels
-        )
-    with record_function("bench::forward"):
-        pred = t.model(inputs, **extra_inputs, **extra_kwargs)
-    with record_function("bench::loss"):
-        loss = t.loss_fn(pred, labels) / t.global_tokens
-    del pred
-    loss.backward()
-    with record_function("bench::clip_grad_norm"):
-        clip_grad_norm_(list(t.model.parameters()), max_norm=1.0, foreach=True)
-    t.optimizers.step()
-    t.optimizers.zero_grad()
-    return loss.detach()
-
-
-class TimedSteps(NamedTuple):
-    seconds: list[float]  # each timed step, synchronized before and after; slowest rank
-    host_seconds: list[float]  # until the step's call returned; slowest rank
-    losses: list[torch.Tensor]  # every step's, warm-up included
-
-
-def timed_steps(
-    rt: Runtime, step: Callable[[int], torch.Tensor], warmup: int, steps: int
-) -> TimedSteps:
-    """Run `warmup` then `steps` steps and time the timed ones. Peak memory counts from the
-    first timed step. A step's host time ends when its call returns, when the host has
-    launched all of it: close to the step time, the GPU waited for the host.
-
-    Python's collector is paused while timing, as torchtitan's trainer does, so a collection
-    does not land in one step at random.
-    """
-    seconds, host_seconds, losses = [], [], []
-    gc.collect()
-    gc.disable()
-    try:
-        for index in range(warmup + steps):
-            if index == warmup:
-                rt.reset_peak_memory()
-            rt.synchronize()
-            start = time.perf_counter()
-            losses.append(step(index))
-            returned = time.perf_counter()
-            rt.synchronize()
-            if index >= warmup:
-                seconds.append(time.perf_counter() - start)
-                host_seconds.append(returned - start)
-    finally:
-        gc.enable()
-    return TimedSteps(rt.reduce(seconds), rt.reduce(host_seconds), losses)
 
 
 def global_losses(rt: Runtime, losses: list[torch.Tensor]) -> list[float]:

@@ -123,7 +123,6 @@ def _check_search_args(parser: argparse.ArgumentParser, args: argparse.Namespace
             parser.error(f"--{name} must be a multiple of --granularity {args.granularity}")
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be at least 1 (the first step compiles)")
-    records.check_docs(args.docs)
 
 
 class Search:
@@ -176,8 +175,8 @@ class Search:
 
 
 def _search_options(args: argparse.Namespace) -> dict:
-    keys = ("flavor", "cp", "ac", "start", "limit", "granularity", "warmup", "steps", "docs")
-    keys += ("precision", "compile_backend", "lr", "seed", "overrides")
+    keys = ("flavor", "cp", "ac", "start", "limit", "granularity", "warmup", "steps")
+    keys += ("config", "compile", "overrides")
     return {key: getattr(args, key) for key in keys}
 
 
@@ -224,9 +223,8 @@ def run_trial_process(args: argparse.Namespace, seq_len: int) -> dict:
 
 def _forwarded_arguments(args: argparse.Namespace) -> list[str]:
     forwarded = ["--flavor", args.flavor, "--cp", str(args.cp), "--ac", args.ac]
-    forwarded += ["--warmup", str(args.warmup), "--steps", str(args.steps), "--docs", args.docs]
-    forwarded += ["--precision", args.precision, "--compile-backend", args.compile_backend]
-    forwarded += ["--lr", str(args.lr), "--seed", str(args.seed)]
+    forwarded += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
+    forwarded += ["--compile", args.compile] + (["--config", args.config] if args.config else [])
     forwarded += ["--pg-timeout-s", str(args.pg_timeout_s)]
     for override in args.overrides:
         forwarded += ["--set", override]
@@ -324,28 +322,17 @@ def run_trial(args: argparse.Namespace) -> None:
 def _train(run, opts, rt) -> dict:
     from benchmarks import common
 
-    tokenizer = common.load_tokenizer()
-    dp_size = rt.world_size // run.cp
-    count = opts.warmup + opts.steps
-    rank = common.dp_rank(rt, run.cp)
-    batches = common.make_batches(
-        opts.docs, tokenizer, run.seq_len, count, rank, dp_size, opts.seed
-    )
-
     def work() -> dict:
-        training = common.build_training(run, opts, rt, tokenizer)
-
-        def step(index: int):
-            inputs, labels = (x.to(rt.device) for x in batches[index])
-            return common.train_step(training, inputs, labels)
-
-        seconds, _, losses = common.timed_steps(rt, step, opts.warmup, opts.steps)
+        trainer = common.build_trainer(run, opts, rt)
+        seconds, _, losses = common.trained(rt, trainer)
         step_time = common.median(seconds)
+        tokens = trainer.tokens_per_step()
         return {
             "step_time_s": step_time,
-            "tokens_per_s_per_gpu": round(run.seq_len * dp_size / step_time / rt.world_size, 1),
+            "tokens_per_s_per_gpu": round(tokens / step_time / rt.world_size, 1),
             **rt.peak_memory_gib(),
             "losses": common.global_losses(rt, losses),
+            "trainer_arguments": common.trainer_arguments(run, opts),
         }
 
     return common.guarded(rt, work)

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DOCUMENT_CHOICES = "corpus | single | N"
 # A CUDA error that is an allocation failure, whatever layer raised it (the caching
 # allocator, cuBLAS, a Triton or NCCL launch).
 OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "OutOfMemoryError")
@@ -24,33 +23,23 @@ def add_training_arguments(parser: argparse.ArgumentParser, steps: int, warmup: 
     parser.add_argument("--steps", type=int, default=steps, help="timed steps (the median)")
     parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps first")
     parser.add_argument(
-        "--docs",
-        default="corpus",
-        help=f"{DOCUMENT_CHOICES}: the bundled corpus packed as in training (~110 tokens per "
-        "document), one document per row, or random documents of N tokens",
+        "--config",
+        help="the TOML config every configuration trains with (default: the flavor's shipped "
+        "config in train_configs/)",
     )
     parser.add_argument(
-        "--precision",
-        choices=("mixed", "bf16"),
-        default="mixed",
-        help="mixed: fp32 weights, bf16 compute via FSDP2 (also on one GPU); "
-        "bf16: bf16 weights and optimizer states",
+        "--compile",
+        default="config",
+        help="torch.compile: config (as the config says), none (eager), or a backend to "
+        "enable it with (inductor, aot_eager)",
     )
-    parser.add_argument(
-        "--compile-backend",
-        default="auto",
-        help="torch.compile backend per block: auto (inductor on CUDA, aot_eager on CPU), "
-        "inductor, aot_eager, or none (eager)",
-    )
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="set any torchtitan JobConfig field, e.g. activation_checkpoint.mode=full",
+        help="any other setting, as run_train.sh takes it, e.g. training.local_batch_size=2",
     )
     parser.add_argument(
         "--pg-timeout-s",
@@ -58,11 +47,6 @@ def add_training_arguments(parser: argparse.ArgumentParser, steps: int, warmup: 
         default=1800,
         help="collective timeout: a rank stuck in a collective fails after this long",
     )
-
-
-def check_docs(docs: str) -> None:
-    if docs not in ("corpus", "single") and not (docs.isdigit() and int(docs) > 0):
-        raise SystemExit(f"--docs {docs!r}: expected {DOCUMENT_CHOICES}")
 
 
 def command_line(module: str, processes: int) -> str:

@@ -5,20 +5,59 @@ delta-rule kernel alone at each GDN layer's shape, and NCCL's all-to-all at our 
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from benchmarks.breakdown import device_work
-from benchmarks.common import Runtime, guarded, median, timed_steps
+from benchmarks.common import Runtime, guarded, median
 
 # ---------------------------------------------------------------------------------------------
 # transformers Qwen3_5ForCausalLM
+
+
+class TimedSteps(NamedTuple):
+    seconds: list[float]  # each timed step, synchronized before and after; slowest rank
+    host_seconds: list[float]  # until the step's call returned; slowest rank
+    losses: list[torch.Tensor]  # every step's, warm-up included
+
+
+def timed_steps(
+    rt: Runtime, step: Callable[[int], torch.Tensor], warmup: int, steps: int
+) -> TimedSteps:
+    """The references' timing, as the trainer's (benchmarks/timed_trainer.py): run `warmup`
+    then `steps` steps and time the timed ones. Peak memory counts from the
+    first timed step. A step's host time ends when its call returns, when the host has
+    launched all of it: close to the step time, the GPU waited for the host.
+
+    Python's collector is paused while timing, as torchtitan's trainer does, so a collection
+    does not land in one step at random.
+    """
+    seconds, host_seconds, losses = [], [], []
+    gc.collect()
+    gc.disable()
+    try:
+        for index in range(warmup + steps):
+            if index == warmup:
+                rt.reset_peak_memory()
+            rt.synchronize()
+            start = time.perf_counter()
+            losses.append(step(index))
+            returned = time.perf_counter()
+            rt.synchronize()
+            if index >= warmup:
+                seconds.append(time.perf_counter() - start)
+                host_seconds.append(returned - start)
+    finally:
+        gc.enable()
+    return TimedSteps(rt.reduce(seconds), rt.reduce(host_seconds), losses)
 
 
 def transformers_reference(

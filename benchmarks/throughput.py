@@ -76,7 +76,6 @@ class Run:
         self.args = args
         self.rt = rt
         self.opts = common.options_from_args(args)
-        self.tokenizer = common.load_tokenizer()
         self.started = time.monotonic()
         self.stopped = False
         previous = records.read_json(args.out) if args.resume else None
@@ -112,11 +111,12 @@ class Run:
         return self.stopped
 
     def batches(self, run: RunConfig, count: int, dp_rank: int | None = None):
+        """Rows packed as the trainer's loader packs them for `run` (for the references)."""
+        job = common.trainer_job_config(run, self.opts)
         dp_size = self.rt.world_size // run.cp
         rank = common.dp_rank(self.rt, run.cp) if dp_rank is None else dp_rank
-        return common.make_batches(
-            self.opts.docs, self.tokenizer, run.seq_len, count, rank, dp_size, self.opts.seed
-        )
+        tokenizer = common.load_tokenizer(job)
+        return common.make_batches(job, tokenizer, run.seq_len, count, rank, dp_size)
 
 
 def _add_unique(items: list, item) -> None:
@@ -129,79 +129,83 @@ def _matches(entry: dict, key: dict) -> bool:
 
 
 def measure(run: RunConfig, state: Run) -> dict:
-    """Build, time and profile one configuration; free its memory."""
+    """Train one configuration with the trainer of run_train.sh, time its steps, profile one
+    more; free its memory."""
     rt, opts = state.rt, state.opts
-    batches = state.batches(run, opts.warmup + opts.steps + 1)
+    profiled = None if state.args.no_profile else _profiled_step(run, state)
 
     def work() -> dict:
-        training = common.build_training(run, opts, rt, state.tokenizer)
-
-        def step(index: int) -> torch.Tensor:
-            inputs, labels = batches[index]
-            return common.train_step(training, inputs.to(rt.device), labels.to(rt.device))
-
-        seconds, host_seconds, losses = common.timed_steps(rt, step, opts.warmup, opts.steps)
+        trainer = common.build_trainer(run, opts, rt, profiled_step=profiled)
+        seconds, host_seconds, losses = common.trained(rt, trainer)
         record = {
+            "tokens_per_step": trainer.tokens_per_step(),
             "step_time_s": common.median(seconds),
             "step_times_s": [round(s, 4) for s in seconds],
             "host_time_s": common.median(host_seconds),
             **rt.peak_memory_gib(),
             "losses": common.global_losses(rt, losses),
-            **_flop_figures(training, run, batches[: opts.warmup + opts.steps]),
+            **_flop_figures(trainer, run),
+            "trainer_arguments": common.trainer_arguments(run, opts),
         }
-        if not state.args.no_profile:
-            record["breakdown"] = _profiled_step(training, batches[-1], run, state)
+        if profiled is not None:
+            record["breakdown"] = profiled.breakdown
         return record
 
     return common.guarded(rt, work)
 
 
-def _flop_figures(training, run: RunConfig, batches) -> dict:
+def _flop_figures(trainer, run: RunConfig) -> dict:
     # This rank's rows stand for all: every rank packs the same corpus the same way.
+    rows = trainer.timed_rows()
     lengths = [
-        n
-        for inputs, _ in batches
-        for n in common.document_lengths(inputs, training.tokenizer.eos_id)
+        n for inputs in rows for n in common.document_lengths(inputs, trainer.tokenizer.eos_id)
     ]
-    model_args, model = training.model_args, training.model
+    model_args, model = trainer.model_args, trainer.model_parts[0]
     return {
-        "documents_per_row": round(len(lengths) / len(batches), 1),
+        "documents_per_row": round(len(lengths) / len(rows), 1),
         "flops_per_token": trainer_flops_per_token(model_args, model, run.seq_len),
         "flops_per_token_documents": documents_flops_per_token(model_args, model, lengths),
     }
 
 
-def _profiled_step(training, batch, run: RunConfig, state: Run) -> dict:
-    """One more step, profiled on rank 0, whose view is reported (parsing a trace takes seconds
-    per rank). With cp > 1 on GPUs every rank profiles it and sends rank 0 its all-to-all
-    kernels' times, so that each exchange is also timed without waiting for a late peer."""
-    rt = state.rt
-    inputs, labels = (x.to(rt.device) for x in batch)
-    exchanges_timed = rt.cuda and run.cp > 1
-    profiled = rt.rank == 0 or exchanges_timed
-    profiler = _profiler(rt) if profiled else contextlib.nullcontext()
-    rt.synchronize()
-    with layer_ranges(training.model), profiler as prof:
-        if exchanges_timed:
-            # Starting a profiler takes each rank its own time: the first rank in would show
-            # its first collective waiting for the last (30 ms of FSDP all-gather, 2B cp=2).
-            rt.host_barrier()
-        start = time.perf_counter()
-        common.train_step(training, inputs, labels)
+class _profiled_step:
+    """The trainer's last step, profiled on rank 0, whose view is reported (parsing a trace
+    takes seconds per rank). With cp > 1 on GPUs every rank profiles it and sends rank 0 its
+    all-to-all kernels' times, so that each exchange is also timed without waiting for a late
+    peer. Called with the trainer, it is the context manager around that step."""
+
+    def __init__(self, run: RunConfig, state: Run):
+        self.run, self.state = run, state
+        self.breakdown: dict = {}
+
+    @contextlib.contextmanager
+    def __call__(self, trainer):
+        rt, run, state = self.state.rt, self.run, self.state
+        exchanges_timed = rt.cuda and run.cp > 1
+        profiled = rt.rank == 0 or exchanges_timed
+        profiler = _profiler(rt) if profiled else contextlib.nullcontext()
+        model = trainer.model_parts[0]
         rt.synchronize()
-        profiled_ms = (time.perf_counter() - start) * 1000
-    exchanges = _every_ranks_exchanges(prof, run.cp) if exchanges_timed else None
-    if rt.rank != 0:
-        return {}
-    if state.args.trace_dir is not None:
-        state.args.trace_dir.mkdir(parents=True, exist_ok=True)
-        ac = run.ac.replace(":", "-")
-        name = f"{run.flavor}_seq{run.seq_len}_cp{run.cp}_ac-{ac}_{state.opts.docs}.json"
-        prof.export_chrome_trace(str(state.args.trace_dir / name))
-    layer_types = training.model_args.layer_types
-    breakdown = step_breakdown(prof.events(), layer_types, rt.cuda, exchanges)
-    breakdown["profiled_step_ms"] = round(profiled_ms, 3)
-    return breakdown
+        with layer_ranges(model), profiler as prof:
+            if exchanges_timed:
+                # Starting a profiler takes each rank its own time: the first rank in would
+                # show its first collective waiting for the last (30 ms of FSDP all-gather).
+                rt.host_barrier()
+            start = time.perf_counter()
+            yield
+            rt.synchronize()
+            profiled_ms = (time.perf_counter() - start) * 1000
+        exchanges = _every_ranks_exchanges(prof, run.cp) if exchanges_timed else None
+        if rt.rank != 0:
+            return
+        if state.args.trace_dir is not None:
+            state.args.trace_dir.mkdir(parents=True, exist_ok=True)
+            ac = run.ac.replace(":", "-")
+            name = f"{run.flavor}_seq{run.seq_len}_cp{run.cp}_ac-{ac}.json"
+            prof.export_chrome_trace(str(state.args.trace_dir / name))
+        layer_types = trainer.model_args.layer_types
+        self.breakdown = step_breakdown(prof.events(), layer_types, rt.cuda, exchanges)
+        self.breakdown["profiled_step_ms"] = round(profiled_ms, 3)
 
 
 def _every_ranks_exchanges(prof, cp: int) -> list[list]:
@@ -225,8 +229,7 @@ def _finish_record(record: dict, run: RunConfig, rt: Runtime) -> dict:
     """Derived figures: throughput per GPU and MFU."""
     if record.get("status") != "ok":
         return record
-    dp = rt.world_size // run.cp
-    tokens_per_s = run.seq_len * dp / record["step_time_s"] / rt.world_size
+    tokens_per_s = record["tokens_per_step"] / record["step_time_s"] / rt.world_size
     peak = peak_flops(rt.device_name(), rt.cuda)
     record["tokens_per_s_per_gpu"] = round(tokens_per_s, 1)
     record["peak_flops_per_gpu"] = peak
@@ -237,7 +240,7 @@ def _finish_record(record: dict, run: RunConfig, rt: Runtime) -> dict:
 
 def run_configuration(run: RunConfig, state: Run) -> None:
     rt = state.rt
-    key = {**common.config_dict(run), "docs": state.opts.docs}
+    key = {**common.config_dict(run), "config": common.config_file(run.flavor, state.opts)}
     if not state.done("results", key):
         _announce(rt, f"measuring {run.label()}")
         record = {**key, "gpus": rt.world_size, "dp": rt.world_size // run.cp}
@@ -253,9 +256,9 @@ def _kernel_reference(run: RunConfig, state: Run) -> dict:
     from titan_gdn.model.documents import DocumentBoundaries
 
     inputs, _ = state.batches(run, 1)[0]
-    docs = DocumentBoundaries.from_tokens(inputs, state.tokenizer.eos_id)
-    job = common.job_config(run, state.opts, state.rt)
-    args = common.model_args(run, job)
+    job = common.trainer_job_config(run, state.opts)
+    docs = DocumentBoundaries.from_tokens(inputs, common.load_tokenizer(job).eos_id)
+    args = common.model_args(job)
     return delta_rule_kernel(args, run.seq_len, run.cp, docs.cu_seqlens, state.rt)
 
 
@@ -270,7 +273,7 @@ def run_transformers(flavor: str, seq_len: int, state: Run) -> None:
         key = {
             "flavor": flavor,
             "seq_len": seq_len,
-            "docs": opts.docs,
+            "config": common.config_file(flavor, opts),
             "gradient_checkpointing": checkpointing,
         }
         if state.done("transformers", key) or state.out_of_time():
@@ -281,8 +284,8 @@ def run_transformers(flavor: str, seq_len: int, state: Run) -> None:
         record = None
         with only_on_rank0(rt) as runs_here:
             if runs_here:
-                run = RunConfig(flavor, seq_len)
-                args = common.model_args(run, common.job_config(run, opts, rt))
+                job = common.trainer_job_config(RunConfig(flavor, seq_len), opts)
+                args = common.model_args(job)
                 batches = state.batches(rows_of, opts.warmup + opts.steps, dp_rank=0)
                 record = transformers_reference(
                     args,
@@ -291,7 +294,7 @@ def run_transformers(flavor: str, seq_len: int, state: Run) -> None:
                     checkpointing=checkpointing,
                     warmup=opts.warmup,
                     steps=opts.steps,
-                    lr=opts.lr,
+                    lr=job.optimizer.lr,
                 )
                 if record["status"] == "ok":
                     record["tokens_per_s_per_gpu"] = round(seq_len / record["step_time_s"], 1)

@@ -20,6 +20,7 @@ its times are not: it counted the custom ops' bodies twice).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -121,33 +122,29 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--ac", default="full")
-    parser.add_argument("--compile-backend", default="auto", help="as benchmarks.throughput's")
+    parser.add_argument("--compile", default="config", help="as benchmarks.throughput's")
+    parser.add_argument("--config", help="as benchmarks.throughput's")
     parser.add_argument("--rows", type=int, default=45, help="lines per cProfile table")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
     common.prepare_environment()
     rt = common.init_runtime(timeout_s=600)
-    tokenizer = common.load_tokenizer()
     run = common.RunConfig(args.flavor, args.seq_len, args.cp, args.ac)
-    batches = common.make_batches(
-        "corpus",
-        tokenizer,
-        args.seq_len,
-        WARMUP_STEPS + SAMPLED_STEPS + 4,
-        common.dp_rank(rt, args.cp),
-        rt.world_size // args.cp,
-        seed=0,
+    opts = common.Options(warmup=WARMUP_STEPS, steps=1, config=args.config, compile=args.compile)
+    # The trainer's own step, called one at a time; later steps are neither timed nor profiled.
+    trainer = common.build_trainer(
+        run, opts, rt, profiled_step=lambda trainer: contextlib.nullcontext()
     )
-    opts = common.Options(compile_backend=args.compile_backend)
-    training = common.build_training(run, opts, rt, tokenizer)
-    steps = iter(batches)
+    data = trainer.batch_generator(trainer.dataloader)
 
-    def step(_index: int = 0):  # timed_steps passes an index; batches are taken in order
-        inputs, labels = next(steps)
-        return common.train_step(training, inputs.to(rt.device), labels.to(rt.device))
+    def step():
+        trainer.step += 1
+        trainer.train_step(data)
 
-    (step_s,), (host_s,), _ = common.timed_steps(rt, step, WARMUP_STEPS, steps=1)
+    for _ in range(WARMUP_STEPS + 1):
+        step()
+    (step_s,), (host_s,) = rt.reduce(trainer.step_seconds), rt.reduce(trainer.host_seconds)
 
     switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(0.0005)  # the sampler gets the GIL between bytecodes sooner
@@ -165,8 +162,8 @@ def main(argv=None) -> None:
     rt.synchronize()
     main_thread.disable()
     backward = cProfile.Profile()
-    loss_fn = training.loss_fn
-    training.loss_fn = lambda pred, labels: _ProfileBackward.apply(loss_fn(pred, labels), backward)
+    loss_fn = trainer.loss_fn
+    trainer.loss_fn = lambda pred, labels: _ProfileBackward.apply(loss_fn(pred, labels), backward)
     step()
     rt.synchronize()
 

@@ -22,7 +22,7 @@ from benchmarks.memory import find_longest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # One step per stage and eager blocks keep this under a minute on two cores; compiled blocks
 # are what tests/test_compile.py checks.
-FAST = ["--warmup", "1", "--steps", "1", "--compile-backend", "none", "--docs", "corpus"]
+FAST = ["--warmup", "1", "--steps", "1", "--compile", "none"]
 
 
 def _run(command: list[str], timeout: float = 300) -> None:
@@ -454,3 +454,34 @@ def test_every_checkpointing_mode_runs_its_cp_degrees_back_to_back():
         ("selective:op", 2),
     ]
     assert throughput.parse_args(["--out", "x.json"]).ac == ["none"]
+
+
+def test_the_benchmark_trains_exactly_what_run_train_sh_trains(tmp_path, monkeypatch):
+    """The throughput benchmark's steps are run_train.sh's: same config, data, seed, precision
+    and parallel layout give the same loss at every step, to the digits the trainer logs. A
+    benchmark that rebuilt the step itself (another batch, another mixed precision, FSDP where
+    the trainer has none) would drift from the first or second step."""
+    from tests.test_train_qwen import _train_ok
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as _run's: the same CPU reduction order
+    # training.steps sets the LR schedule, so both runs must name the same.
+    settings = ["training.seq_len=128", "training.local_batch_size=2", "training.steps=3"]
+    settings += ["training.mixed_precision_param=bfloat16"]  # one rank: torchtitan's autocast
+    out = tmp_path / "throughput.json"
+    _run(
+        [sys.executable, "-m", "benchmarks.throughput", "--flavors", "debugmodel"]
+        + ["--seq-lens", "128", "--no-profile", "--out", str(out)]
+        + ["--warmup", "1", "--steps", "2", "--compile", "none"]
+        + [arg for setting in settings for arg in ("--set", setting)]
+    )
+    (result,) = json.loads(out.read_text())["results"]
+    _, steps = _train_ok(
+        tmp_path / "trainer",
+        "--training.steps",
+        "3",
+        "--training.mixed_precision_param",
+        "bfloat16",
+    )
+    logged = [float(steps[step][0]) for step in (1, 2, 3)]
+    assert result["losses"] == pytest.approx(logged, abs=1e-5)
+    assert "--training.mixed_precision_param" in result["trainer_arguments"]

@@ -12,7 +12,7 @@ def test_host_profile_times_the_step_and_profiles_forward_and_backward(tmp_path)
     out = tmp_path / "host.txt"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     command += ["1", "scripts/host_profile.py", "--flavor", "debugmodel", "--seq-len", "64"]
-    command += ["--ac", "none", "--compile-backend", "none", "--out", str(out)]
+    command += ["--ac", "none", "--compile", "none", "--out", str(out)]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     text = out.read_text()

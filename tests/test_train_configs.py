@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# name: (flavor, cp, seq_len, activation checkpointing); each measured on GPUs (its header).
 GPU_CONFIGS = {
-    "qwen3_5_0.8b.toml": ("0.8B", 1, 8192),
-    "qwen3_5_2b.toml": ("2B", 1, 8192),
-    "qwen3_5_0.8b_cp2.toml": ("0.8B", 2, 32768),
-    "qwen3_5_2b_cp2.toml": ("2B", 2, 32768),
+    "qwen3_5_0.8b.toml": ("0.8B", 1, 32768, "none"),
+    "qwen3_5_2b.toml": ("2B", 1, 32768, "none"),
+    "qwen3_5_0.8b_cp2.toml": ("0.8B", 2, 32768, "full"),
+    "qwen3_5_2b_cp2.toml": ("2B", 2, 32768, "full"),
 }
 
 
@@ -31,15 +32,16 @@ def test_gpu_config_parses_and_passes_the_checks(name, monkeypatch):
     from titan_gdn.parallel.context_parallel import context_parallel_problems
 
     monkeypatch.chdir(REPO)  # the configs' paths are relative to the repository root
-    flavor, cp, seq_len = GPU_CONFIGS[name]
+    flavor, cp, seq_len, checkpointing = GPU_CONFIGS[name]
     job = _parse(name)
     assert (job.model.name, job.model.flavor) == ("qwen3_5", flavor)
     assert job.experimental.custom_import == "titan_gdn"
     assert (job.training.seq_len, job.parallelism.context_parallel_degree) == (seq_len, cp)
     assert job.training.mixed_precision_param == "bfloat16"
     assert job.parallelism.data_parallel_shard_degree == -1  # FSDP over the remaining ranks
-    assert job.activation_checkpoint.mode == "full"
-    assert not job.compile.enable
+    assert job.activation_checkpoint.mode == checkpointing
+    assert job.compile.enable and job.compile.components == ["model", "loss"]
+    assert job.training.dataloader.num_workers == 1  # rows packed ahead of the step
     assert job.checkpoint.enable and job.checkpoint.interval > 0
     assert job.training.dataset == "tinyshakespeare" and job.training.dataset_path is None
     assert Path(job.model.hf_assets_path).resolve() == REPO / "assets" / "tokenizer"

@@ -1,0 +1,81 @@
+"""The trainer that `run_train.sh` runs, with its steps timed: what every benchmark measures.
+
+`TimedTrainer` is `titan_gdn.trainer.Qwen35Trainer`, built from the same TOML config and
+command-line overrides, and trained by its own `train()` loop (data loader, batch checks, loss
+guard, metrics, optimizer and LR schedule as a user gets them). It adds only what measuring
+needs: a stop after `warmup + steps` steps, a device synchronization around each step to time
+it, the losses and rows it saw, and an optional profiled last step.
+
+Imported after `titan_gdn.cpu.use_cpu_if_no_accelerator()`: torchtitan's trainer module copies
+the device type at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+
+from titan_gdn.trainer import Qwen35Trainer
+
+
+class TimedTrainer(Qwen35Trainer):
+    def __init__(
+        self,
+        job_config,
+        warmup: int,
+        steps: int,
+        synchronize: Callable[[], None],
+        reset_peak_memory: Callable[[], None],
+        profiled_step: Callable[[TimedTrainer], contextlib.AbstractContextManager] | None = None,
+    ):
+        super().__init__(job_config)
+        self.warmup, self.timed_steps = warmup, steps
+        self.synchronize, self.reset_peak_memory = synchronize, reset_peak_memory
+        self.profiled_step = profiled_step
+        self.step_seconds: list[float] = []  # each timed step, synchronized before and after
+        self.host_seconds: list[float] = []  # until the step's call returned
+        self.losses: list[torch.Tensor] = []  # every step's, warm-up included
+        self.rows: list[torch.Tensor] = []  # every step's input ids, as the loader gave them
+
+    def should_continue_training(self) -> bool:
+        last = self.warmup + self.timed_steps + (self.profiled_step is not None)
+        return self.step < last
+
+    def batch_generator(self, data_iterable):
+        for input_dict, labels in super().batch_generator(data_iterable):
+            self.rows.append(input_dict["input"])
+            yield input_dict, labels
+
+    def forward_backward_step(self, **kwargs) -> torch.Tensor:
+        loss = super().forward_backward_step(**kwargs)
+        self.losses.append(loss.detach())
+        return loss
+
+    def train_step(self, data_iterator) -> None:
+        index = self.step - 1  # train() counts steps from 1
+        if index == self.warmup + self.timed_steps:
+            with self.profiled_step(self):
+                super().train_step(data_iterator)
+            return
+        if index == self.warmup:
+            self.reset_peak_memory()
+        self.synchronize()
+        start = time.perf_counter()
+        super().train_step(data_iterator)
+        returned = time.perf_counter()
+        self.synchronize()
+        if index >= self.warmup:
+            self.step_seconds.append(time.perf_counter() - start)
+            self.host_seconds.append(returned - start)
+
+    def tokens_per_step(self) -> int:
+        """Tokens one step trains on over all ranks (every row of every micro-batch)."""
+        batch = self.job_config.training
+        dp = self.parallel_dims.dp_replicate * self.parallel_dims.dp_shard
+        return batch.local_batch_size * batch.seq_len * self.gradient_accumulation_steps * dp
+
+    def timed_rows(self) -> list[torch.Tensor]:
+        return self.rows[: self.warmup + self.timed_steps]
