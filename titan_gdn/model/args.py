@@ -12,10 +12,9 @@ from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 
 from titan_gdn.job_config import setting
+from titan_gdn.model.flops import count_params_and_flops
+from titan_gdn.model.layer_types import FULL_ATTENTION, LAYER_TYPES, LINEAR_ATTENTION
 
-LINEAR_ATTENTION = "linear_attention"
-FULL_ATTENTION = "full_attention"
-LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
 CHUNKED_LOSS_MIN_VOCAB = 32768
 # 1024 tokens x 248,320 fp32 logits is 1 GiB per chunk: large matmuls, a bounded peak.
 DEFAULT_LOSS_CHUNK_TOKENS = 1024
@@ -136,8 +135,6 @@ class Qwen35ModelArgs(BaseModelArgs):
             self.max_seq_len = raised
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        from titan_gdn.model.flops import count_params_and_flops
-
         return count_params_and_flops(self, model, seq_len)
 
     @classmethod
@@ -242,10 +239,6 @@ def job_config_problems(args: Qwen35ModelArgs, job_config, tokenizer=None) -> li
             f"training.seq_len = {seq_len} is not divisible by "
             f"parallelism.context_parallel_degree = {cp}; use a multiple of {cp}"
         )
-    # Imported here: the parallel package imports these args.
-    from titan_gdn.parallel.context_parallel import context_parallel_problems
-
-    problems += context_parallel_problems(args, cp)
     if tokenizer is not None and tokenizer_id_bound(tokenizer) > args.vocab_size:
         problems.append(
             f"the tokenizer in model.hf_assets_path = {job_config.model.hf_assets_path!r} has "

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from titan_gdn.model.args import FULL_ATTENTION, LINEAR_ATTENTION
+from titan_gdn.model.layer_types import FULL_ATTENTION, LINEAR_ATTENTION
 
 DELTA_RULE_CHUNK = 64
 FORWARD_AND_BACKWARD = 3
