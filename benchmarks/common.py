@@ -311,12 +311,13 @@ def build_trainer(run: RunConfig, opts: Options, rt: Runtime, profiled_step=None
 
 def trained(rt: Runtime, trainer) -> tuple[list[float], list[float], list[torch.Tensor]]:
     """Train `trainer` (its own train loop); each timed step's seconds and host seconds on
-    the slowest rank, and every step's loss."""
+    the slowest rank, and the warm-up and timed steps' losses."""
     try:
         trainer.train()
     finally:
         trainer.close()
-    return rt.reduce(trainer.step_seconds), rt.reduce(trainer.host_seconds), trainer.losses
+    seconds, host_seconds = rt.reduce(trainer.step_seconds), rt.reduce(trainer.host_seconds)
+    return seconds, host_seconds, trainer.measured_losses()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ class TimedTrainer(Qwen35Trainer):
         self.profiled_step = profiled_step
         self.step_seconds: list[float] = []  # each timed step, synchronized before and after
         self.host_seconds: list[float] = []  # until the step's call returned
-        self.losses: list[torch.Tensor] = []  # every step's, warm-up included
+        self.losses: list[torch.Tensor] = []  # every step's (summed over micro-batches)
+        self._micro_batch_losses: list[torch.Tensor] = []
         self.rows: list[torch.Tensor] = []  # every step's input ids, as the loader gave them
 
     def should_continue_training(self) -> bool:
@@ -51,10 +52,15 @@ class TimedTrainer(Qwen35Trainer):
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
         loss = super().forward_backward_step(**kwargs)
-        self.losses.append(loss.detach())
+        self._micro_batch_losses.append(loss.detach())
         return loss
 
     def train_step(self, data_iterator) -> None:
+        self._micro_batch_losses = []
+        self._timed_train_step(data_iterator)
+        self.losses.append(torch.stack(self._micro_batch_losses).sum())
+
+    def _timed_train_step(self, data_iterator) -> None:
         index = self.step - 1  # train() counts steps from 1
         if index == self.warmup + self.timed_steps:
             with self.profiled_step(self):
@@ -76,6 +82,10 @@ class TimedTrainer(Qwen35Trainer):
         batch = self.job_config.training
         dp = self.parallel_dims.dp_replicate * self.parallel_dims.dp_shard
         return batch.local_batch_size * batch.seq_len * self.gradient_accumulation_steps * dp
+
+    def measured_losses(self) -> list[torch.Tensor]:
+        """The losses of the warm-up and timed steps (not the profiled one)."""
+        return self.losses[: self.warmup + self.timed_steps]
 
     def timed_rows(self) -> list[torch.Tensor]:
         return self.rows[: self.warmup + self.timed_steps]
