@@ -15,26 +15,21 @@ import argparse
 import json
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "assets" / "tinyshakespeare.txt"
 TOKENIZER_DIR = REPO / "assets" / "tokenizer"
 
 
-def special_tokens(config_path: Path) -> tuple[list[AddedToken], int]:
+def special_tokens(config_path: Path) -> tuple[list[str], int]:
     """The config's special tokens in id order, and the first one's id. Their ids must follow
     each other without gaps: they are appended right after the learned vocabulary."""
     decoder = json.loads(config_path.read_text())["added_tokens_decoder"]
     ids = sorted(int(token_id) for token_id in decoder)
     if ids != list(range(ids[0], ids[0] + len(ids))):
         raise ValueError(f"{config_path}: added_tokens_decoder ids {ids} are not consecutive")
-    tokens = []
-    for token_id in ids:
-        entry = decoder[str(token_id)]
-        flags = ("single_word", "lstrip", "rstrip", "normalized", "special")
-        tokens.append(AddedToken(entry["content"], **{flag: entry[flag] for flag in flags}))
-    return tokens, ids[0]
+    return [decoder[str(token_id)]["content"] for token_id in ids], ids[0]
 
 
 def empty_byte_level_bpe() -> Tokenizer:
@@ -60,8 +55,19 @@ def train_tokenizer(
     learned = tokenizer.get_vocab_size()
     if learned != first_special_id:
         raise ValueError(f"{corpus} gave {learned} tokens, expected {first_special_id}")
-    tokenizer.add_special_tokens(specials)
-    return tokenizer
+    return with_special_tokens_in_vocab(tokenizer, specials, first_special_id)
+
+
+def with_special_tokens_in_vocab(
+    tokenizer: Tokenizer, specials: list[str], first_id: int
+) -> Tokenizer:
+    """The special tokens as plain vocabulary entries, as the previous bundled file had them:
+    HuggingFaceTokenizer makes them special from tokenizer_config.json, finding their ids in
+    the vocabulary (so a test can move one by editing the vocabulary alone)."""
+    spec = json.loads(tokenizer.to_str())
+    for offset, token in enumerate(specials):
+        spec["model"]["vocab"][token] = first_id + offset
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def main(argv: list[str] | None = None) -> None:
