@@ -5,5 +5,5 @@
     python -m benchmarks.report
 
 Each script prints a table and writes JSON; `benchmarks.report` turns the JSON files under
-`docs/results/` into `docs/benchmarks.md`. See CONTRIBUTING.md (Benchmarks).
+`docs/results/` into `docs/performance.md`. See CONTRIBUTING.md (Benchmarks).
 """

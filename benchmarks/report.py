@@ -1,18 +1,21 @@
-"""Regenerate docs/benchmarks.md and its plots from the JSON files under docs/results/.
+"""Regenerate docs/performance.md and its plots from the JSON files under docs/results/.
 
-    python -m benchmarks.report           # write docs/benchmarks.md and docs/benchmarks/*.png
-    python -m benchmarks.report --check   # exit 1 if docs/benchmarks.md is not what the JSON gives
+    python -m benchmarks.report           # write docs/performance.md and docs/performance/*.png
+    python -m benchmarks.report --check   # exit 1 if docs/performance.md is not what the JSON gives
 
-Reads what benchmarks.throughput and benchmarks.memory write, and the summaries of
-scripts/summarize_runs.py. The document is never edited by hand: change the JSON (run a
-benchmark) or this script, then regenerate. Plots need matplotlib (`pip install -e ".[bench]"`);
-without it the text is written and the plots are left as they are.
+Reads what benchmarks.throughput and benchmarks.memory write (every JSON file under
+docs/results/, subfolders included), and the summaries of scripts/summarize_runs.py. The page
+is organised by question, one table each; every table names the result files it reads and the
+commands that wrote them. It is never edited by hand: change the JSON (run a benchmark) or this
+script, then regenerate. Plots need matplotlib (`pip install -e ".[bench]"`); without it the
+text is written and the plots are left as they are.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -22,7 +25,7 @@ from titan_gdn.model.args import qwen3_5_args
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "docs" / "results"
-DOC_PATH = REPO_ROOT / "docs" / "benchmarks.md"
+DOC_PATH = REPO_ROOT / "docs" / "performance.md"
 CATEGORY_NAMES = {
     "delta_rule": "delta rule",
     "conv": "conv",
@@ -43,37 +46,671 @@ TARGET_CP_LENGTH_RATIO = 1.9
 
 
 def load_results(results_dir: Path) -> dict[str, list[tuple[str, dict]]]:
-    """The JSON files by kind: throughput, memory, runs (training-run summaries)."""
+    """The JSON files by kind: throughput, memory, runs (training-run summaries), each as
+    (path relative to `results_dir`, data)."""
     found = defaultdict(list)
-    for path in sorted(results_dir.glob("*.json")):
+    for path in sorted(results_dir.rglob("*.json")):
         data = json.loads(path.read_text())
         kind = data.get("kind") or ("runs" if "runs" in data else None)
         if kind:
-            found[kind].append((path.name, data))
+            found[kind].append((path.relative_to(results_dir).as_posix(), data))
     return found
 
 
 # ---------------------------------------------------------------------------------------------
-# Markdown
+# The page
+
+
+class Sources:
+    """Numbers every result file once (by path) and lists, under a table, the files it cites
+    with the commands that wrote them."""
+
+    def __init__(self, results: dict):
+        self.files = dict(sorted((n, d) for files in results.values() for n, d in files))
+        self.number = {name: i + 1 for i, name in enumerate(self.files)}
+
+    def cite(self, name: str) -> str:
+        return f"[{self.number[name]}]"
+
+    def listing(self, names) -> list[str]:
+        lines = []
+        for name in sorted(set(names), key=self.number.__getitem__):
+            commands = [_clean_command(c, name) for c in _commands(self.files[name])]
+            shown = "; ".join(f"`{c}`" for c in commands)
+            lines.append(f"- {self.cite(name)} `docs/results/{name}`: {shown}")
+        return lines + [""] if lines else []
+
+
+def _commands(data: dict) -> list[str]:
+    if "runs" in data:
+        return ["scripts/gpu_validation.sh ... summary"]
+    env = data.get("environment") or {}
+    return data.get("commands") or [env.get("command", "?")]
+
+
+def _clean_command(command: str, name: str) -> str:
+    """The command as it would write this file: `--out` names the committed file, trace and
+    log folders a neutral name (the machine's scratch paths say nothing to a reader)."""
+    command = re.sub(r"--out \S+", f"--out docs/results/{name}", command)
+    command = re.sub(r"--trace-dir \S+", "--trace-dir traces", command)
+    return re.sub(r"--log-dir \S+", "--log-dir logs", command)
+
+
+QUESTIONS = []
+
+
+def question(title: str):
+    """Register a section: `function(results, sources) -> lines`, empty when no file answers."""
+
+    def register(function):
+        QUESTIONS.append((title, function))
+        return function
+
+    return register
+
+
+def _anchor(title: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation but `-` and `_` dropped."""
+    return re.sub(r"[^a-z0-9 _-]", "", title.lower()).replace(" ", "-")
 
 
 def render(results: dict, plots: dict[str, str]) -> str:
+    sources = Sources(results)
+    sections = []
+    for title, function in QUESTIONS:
+        body = function(results, sources, plots)
+        if body:
+            sections.append((title, body))
     parts = [
-        "# Benchmarks",
+        "# Performance",
         "",
         "Generated by `python -m benchmarks.report` from the JSON files in `docs/results/`: do "
-        "not edit by hand. How to run the benchmarks: CONTRIBUTING.md (Benchmarks).",
+        "not edit by hand (`python -m benchmarks.report --check` says whether it is current). "
+        "Each table answers one question and cites its result files by number, [n]; under it "
+        "are the files and the commands that wrote them, and the last section gives each "
+        "file's date, hardware, versions and commit. How to run the benchmarks: "
+        "CONTRIBUTING.md (Benchmarks).",
         "",
     ]
-    if not any(results.values()):
-        parts += ["No benchmark results yet.", ""]
-    if results.get("throughput"):
-        parts += _throughput_section(results["throughput"], plots.get("throughput"))
-    if results.get("memory"):
-        parts += _memory_section(results["memory"], plots.get("memory"))
-    if results.get("runs"):
-        parts += _runs_section(results["runs"])
+    if not sections:
+        return "\n".join(parts + ["No benchmark results yet.", ""])
+    parts += [f"- [{title}](#{_anchor(title)})" for title, _ in sections] + [""]
+    for title, body in sections:
+        parts += [f"## {title}", "", *body]
+    parts += _files_section(sources)
     return "\n".join(parts).rstrip() + "\n"
+
+
+def _files_section(sources: Sources) -> list[str]:
+    lines = ["## Result files", ""]
+    for name, data in sources.files.items():
+        lines.append(f"- {sources.cite(name)} `docs/results/{name}`: {_environment(data)}")
+    return lines + [""]
+
+
+def _environment(data: dict) -> str:
+    env = data.get("environment")
+    if not env:
+        return "training-run summary (`scripts/summarize_runs.py`); no environment recorded."
+    hardware, versions = env.get("hardware", {}), env.get("versions", {})
+    shown = ("torch", "cuda", "triton", "fla", "transformers", "nccl", "torchtitan")
+    version_text = ", ".join(f"{k} {versions[k]}" for k in shown if versions.get(k))
+    memory = f" ({hardware['memory_gib']} GiB)" if hardware.get("memory_gib") else ""
+    git = env.get("git", {})
+    commit = (git.get("commit") or "?")[:10] + (" (modified)" if git.get("dirty") else "")
+    settings = "".join(f"; {key}={value}" for key, value in env.get("env", {}).items())
+    return (
+        f"{env.get('date', '?')}, {hardware.get('processes', '?')} x "
+        f"{hardware.get('device', '?')}{memory}; {version_text}; commit {commit}{settings}."
+    )
+
+
+def _date(data: dict) -> str:
+    return (data.get("environment") or {}).get("date", "")
+
+
+def _is_trainer(result: dict) -> bool:
+    """Measured on the training command (run_train.sh's trainer from a TOML config); older
+    files timed a step the benchmark rebuilt from the model, and have no `config`."""
+    return "config" in result
+
+
+def _harness(result: dict) -> str:
+    return "trainer" if _is_trainer(result) else "rebuilt"
+
+
+def _ours(results: dict, ok_only: bool = True):
+    """(file, data, result) for every one of our configurations in the throughput files."""
+    for name, data in results.get("throughput", []):
+        for r in data["results"]:
+            if r.get("status") == "ok" or not ok_only:
+                yield name, data, r
+
+
+def _latest(items, key) -> list[tuple[str, dict, dict]]:
+    """Per `key(record)`, the record from the most recent file; a measurement of the training
+    command wins over one of a rebuilt step, a finished one over a failed one."""
+    best = {}
+    for name, data, record in items:
+        rank = (_is_trainer(record), record.get("status") == "ok", _date(data))
+        k = key(record)
+        if k not in best or best[k][0] <= rank:
+            best[k] = (rank, name, data, record)
+    return [(name, data, record) for _, name, data, record in best.values()]
+
+
+def _ac_name(ac: str | None) -> str | None:
+    return {"selective:op": "selective (op)"}.get(ac, ac)
+
+
+def _status_or(record: dict | None, key: str):
+    if not record:
+        return None
+    if record.get("status") != "ok":
+        return {"oom": "out of memory"}.get(record.get("status"), record.get("status"))
+    return record.get(key)
+
+
+def _sorted(items, *fields):
+    """(file, data, record) by flavor size, then `fields` of the record, the newest file first."""
+    newest_first = sorted(items, key=lambda item: _date(item[1]), reverse=True)
+    return sorted(
+        newest_first,
+        key=lambda item: (_flavor_size(item[2]["flavor"]), *(item[2].get(f) or 0 for f in fields)),
+    )
+
+
+def _sources_of(rows) -> list[str]:
+    return [item[0] for item in rows]
+
+
+@question("What does the training command deliver on one H200?")
+def _training_command(results: dict, sources: Sources, plots: dict) -> list[str]:
+    rows = [item for item in _ours(results, ok_only=False) if _is_trainer(item[2])]
+    rows = [item for item in rows if item[2].get("gpus") == 1]
+    if not rows:
+        return []
+    rows = _sorted(rows, "seq_len", "ac")
+    body = []
+    for name, data, r in rows:
+        overrides = " ".join(data.get("options", {}).get("overrides", [])) or None
+        body.append(
+            [
+                r["flavor"],
+                r["seq_len"],
+                _ac_name(r["ac"]),
+                f"`{r['config']}`" if r.get("config") else None,
+                f"`{overrides}`" if overrides else None,
+                r["status"],
+                _seconds(r.get("step_time_s")),
+                _pct(_host_share(r)),
+                r.get("tokens_per_s_per_gpu"),
+                _pct(r.get("mfu")),
+                r.get("peak_reserved_gib"),
+                _loss_text(r.get("losses")),
+                sources.cite(name),
+            ]
+        )
+    headings = ["flavor", "seq_len", "checkpointing", "config", "overrides", "status"]
+    headings += ["step (s)", "host", "tokens/s", "MFU", "peak reserved GiB"]
+    headings += ["loss first → last", "file"]
+    intro = [
+        "`run_train.sh`'s trainer (`Qwen35Trainer` from the shipped TOML config, compiled as "
+        "the config says, no checkpoint saving; the benchmark sets the length and the "
+        "checkpointing mode) timed per step by `python -m benchmarks.throughput` on one GPU: "
+        "median of the timed steps after the warm-up. host: the time until the step's call "
+        "returns over the step time (near 100%: the GPU waited for the host). MFU uses the "
+        "trainer's FLOP count (`titan_gdn/model/flops.py`). Files named `rows_packed_in_step` "
+        "ran an earlier trainer that tokenized and packed rows inside the step; "
+        "`docs/results/training_command/README.md` says what each file ran.",
+        "",
+    ]
+    return intro + table(headings, body) + sources.listing(_sources_of(rows))
+
+
+@question("How does titan_gdn compare with transformers + FLA?")
+def _against_transformers(results: dict, sources: Sources, plots: dict) -> list[str]:
+    rows, cited = [], []
+    for name, data in results.get("throughput", []):
+        theirs = data.get("transformers", [])
+        for flavor, seq_len in dict.fromkeys((t["flavor"], t["seq_len"]) for t in theirs):
+            mine = [
+                r
+                for r in _ok(data["results"])
+                if (r["flavor"], r["seq_len"], r["cp"]) == (flavor, seq_len, 1)
+            ]
+            if not mine:
+                continue
+            best = max(mine, key=lambda r: r["tokens_per_s_per_gpu"])
+            plain = _find(theirs, flavor=flavor, seq_len=seq_len, gradient_checkpointing=False)
+            checkpointed = _find(
+                theirs, flavor=flavor, seq_len=seq_len, gradient_checkpointing=True
+            )
+            finished = [t["tokens_per_s_per_gpu"] for t in _ok([plain or {}, checkpointed or {}])]
+            speedup = best["tokens_per_s_per_gpu"] / max(finished) if finished else None
+            rows.append((name, data, best, plain, checkpointed, speedup))
+            cited.append(name)
+    if not rows:
+        return []
+    rows = _sorted(rows, "seq_len")
+    body = [
+        [
+            best["flavor"],
+            best["seq_len"],
+            f"{_ac_name(best['ac'])}, {best['gpus']} GPU{'s' * (best['gpus'] > 1)}, "
+            f"{_harness(best)}",
+            best["tokens_per_s_per_gpu"],
+            best.get("peak_reserved_gib"),
+            _status_or(plain, "tokens_per_s_per_gpu"),
+            _status_or(plain, "peak_reserved_gib"),
+            _status_or(checkpointed, "tokens_per_s_per_gpu"),
+            _status_or(checkpointed, "peak_reserved_gib"),
+            _ratio(speedup),
+            sources.cite(name),
+        ]
+        for name, _, best, plain, checkpointed, speedup in rows
+    ]
+    headings = ["flavor", "seq_len", "ours: checkpointing, GPUs, step", "ours tokens/s/GPU"]
+    headings += ["ours GiB", "transformers tokens/s", "GiB", "transformers, checkpointing"]
+    headings += ["GiB", "ours / theirs (best)", "file"]
+    intro = [
+        "transformers `Qwen3_5ForCausalLM` on the same rows (one GPU, bf16 weights and AdamW, "
+        "eager, FLA's delta rule, its full-logits loss; rows as plain sequences, without "
+        "document masking), without and with gradient checkpointing, against our fastest "
+        "cp=1 configuration of the same run. Ours on 2 GPUs is FSDP over the two, per GPU. "
+        "step: `trainer` is the training command, `rebuilt` the step older benchmark runs "
+        "rebuilt from the model. GiB: peak reserved.",
+        "",
+    ]
+    return intro + table(headings, body) + sources.listing(cited)
+
+
+@question("How does throughput change with the row length?")
+def _throughput(results: dict, sources: Sources, plots: dict) -> list[str]:
+    key = lambda r: (r["flavor"], r["seq_len"], r.get("gpus"), r["cp"], r["ac"], _is_trainer(r))  # noqa: E731
+    rows = _latest(_ours(results, ok_only=False), key)
+    if not rows:
+        return []
+    rows = _sorted(rows, "seq_len", "gpus", "cp", "ac")
+    body = [
+        [
+            r["flavor"],
+            r["seq_len"],
+            r.get("gpus"),
+            r["cp"],
+            r.get("dp"),
+            _ac_name(r.get("ac")),
+            _harness(r),
+            r["status"],
+            r.get("documents_per_row"),
+            _seconds(r.get("step_time_s")),
+            _pct(_host_share(r)),
+            r.get("tokens_per_s_per_gpu"),
+            _pct(r.get("mfu")),
+            _pct(r.get("mfu_documents")),
+            r.get("peak_reserved_gib"),
+            r.get("peak_active_gib"),
+            sources.cite(name),
+        ]
+        for name, _, r in rows
+    ]
+    headings = ["flavor", "seq_len", "GPUs", "cp", "dp", "checkpointing", "step", "status"]
+    headings += ["docs/row", "step (s)", "host", "tokens/s/GPU", "MFU", "MFU (documents)"]
+    headings += ["peak reserved GiB", "peak active GiB", "file"]
+    intro = [
+        "Every configuration measured, from its most recent file. Median of the timed steps "
+        "(warm-up excluded), slowest rank; tokens/s per GPU counts every rank's tokens. cp=1 "
+        "with N GPUs is N-way data parallel (FSDP). step: `trainer` is the training command, "
+        "`rebuilt` the step older benchmark runs rebuilt from the model (same model code, "
+        "batches prepared before timing). MFU uses the trainer's FLOP count "
+        "(`titan_gdn/model/flops.py`: attention over the whole row); MFU (documents) counts "
+        "attention within each document and the delta rule as FLA computes it "
+        "(`benchmarks/flop_count.py`). host: the time until the step's call returns over the "
+        "step time; near 100%, the GPU waited for the host's launches.",
+        "",
+    ]
+    if plots.get("throughput"):
+        intro += [f"![tokens/s per GPU vs sequence length]({plots['throughput']})", ""]
+    return intro + table(headings, body) + sources.listing(_sources_of(rows))
+
+
+@question("What does context parallel cost and buy?")
+def _context_parallel(results: dict, sources: Sources, plots: dict) -> list[str]:
+    pairs = []
+    for name, data, r in _ours(results):
+        base = _find(
+            _ok(data["results"]), flavor=r["flavor"], seq_len=r["seq_len"], cp=1, ac=r["ac"]
+        )
+        if r["cp"] > 1 and base:
+            pairs.append((name, data, r, base))
+    memory = _length_ratios(results.get("memory", []))
+    if not pairs and not memory:
+        return []
+    pairs = _sorted(pairs, "seq_len", "ac")
+    body = []
+    for name, _, r, base in pairs:
+        exposed = r.get("breakdown", {}).get("exposed_comm_ms", {})
+        ratio = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+        body.append(
+            [
+                r["flavor"],
+                r["seq_len"],
+                _ac_name(r["ac"]),
+                r.get("gpus"),
+                base["tokens_per_s_per_gpu"],
+                r["tokens_per_s_per_gpu"],
+                f"{ratio:.3f}",
+                f"cp={r['cp']}",
+                _pct(_host_share(r)),
+                _ms(exposed.get("all_to_all")),
+                f"{_fmt(base.get('peak_reserved_gib'))} / {_fmt(r.get('peak_reserved_gib'))}",
+                sources.cite(name),
+            ]
+        )
+    lines = [
+        "The cost: tokens/s per GPU with the row split over the GPUs (cp=2) against the same "
+        "GPUs each training its own rows (cp=1, FSDP), in one run; host share and the "
+        "all-to-alls' exposed time (their kernels running while no compute kernel does) are "
+        "the cp=2 step's.",
+        "",
+    ]
+    if body:
+        headings = ["flavor", "seq_len", "checkpointing", "GPUs", "cp=1 tokens/s/GPU"]
+        headings += ["cp tokens/s/GPU", "cp / cp=1", "cp", "cp host", "exposed a2a ms"]
+        headings += ["peak reserved GiB, cp=1 / cp", "file"]
+        lines += table(headings, body) + sources.listing(_sources_of(pairs))
+    for text, cited in memory:
+        lines += [f"What it buys: {text}.", ""] + sources.listing(cited)
+    return lines
+
+
+def _length_ratios(files: list[tuple[str, dict]]) -> list[tuple[str, list[str]]]:
+    """Sentences: the longest row with cp against one GPU, same flavor and checkpointing."""
+    found = []
+    for name, data in files:
+        options, result = data["options"], data.get("result", {})
+        if options["cp"] == 1 or not result.get("longest_fit"):
+            continue
+        bases = [
+            (n, d)
+            for n, d in files
+            if d["options"]["cp"] == 1
+            and (d["options"]["flavor"], d["options"]["ac"]) == (options["flavor"], options["ac"])
+            and d.get("result", {}).get("longest_fit")
+        ]
+        if not bases:
+            continue
+        base_name, base = max(bases, key=lambda item: item[1]["result"]["longest_fit"])
+        ratio = result["longest_fit"] / base["result"]["longest_fit"]
+        text = (
+            f"{options['flavor']} with {_ac_name(options['ac'])} checkpointing trains "
+            f"{result['longest_fit']:,}-token rows at cp={options['cp']} against "
+            f"{base['result']['longest_fit']:,} on one GPU, {ratio:.2f}x (target >= "
+            f"{TARGET_CP_LENGTH_RATIO}x: {'met' if ratio >= TARGET_CP_LENGTH_RATIO else 'missed'})"
+        )
+        found.append((text, [name, base_name]))
+    return found
+
+
+@question("How long a row fits?")
+def _memory(results: dict, sources: Sources, plots: dict) -> list[str]:
+    files = results.get("memory", [])
+    if not files:
+        return []
+    rows = []
+    for name, data in files:
+        options, result = data["options"], data.get("result", {})
+        rows.append(
+            [
+                options["flavor"],
+                options["cp"],
+                options["ac"],
+                _searched(options),
+                result.get("longest_fit"),
+                result.get("first_oom"),
+                result.get("peak_reserved_gib"),
+                result.get("tokens_per_s_per_gpu"),
+                _loss_text(result.get("losses")),
+                "yes" if result.get("complete") else "no",
+                sources.cite(name),
+            ]
+        )
+    headings = ["flavor", "cp (GPUs)", "AC", "lengths searched", "longest fit", "first OOM"]
+    headings += ["peak reserved GiB", "tokens/s/GPU", "loss first → last", "complete", "file"]
+    intro = [
+        "Powers of two, then bisection between the longest fit and the first out-of-memory "
+        "length; each trial a few real training steps in a fresh process "
+        "(`benchmarks/memory.py`). Peak memory and tokens/s at the longest fit; a trial's few "
+        "steps are not a throughput measurement.",
+        "",
+    ]
+    if plots.get("memory"):
+        intro += [f"![peak memory vs sequence length]({plots['memory']})", ""]
+    return intro + table(headings, rows) + sources.listing([name for name, _ in files])
+
+
+@question("Where does a step's time go?")
+def _breakdown(results: dict, sources: Sources, plots: dict) -> list[str]:
+    key = lambda r: (r["flavor"], r["seq_len"], r.get("gpus"), r["cp"], r["ac"])  # noqa: E731
+    rows = [item for item in _ours(results) if item[2].get("breakdown")]
+    rows = _sorted(_latest(rows, key), "seq_len", "gpus", "cp", "ac")
+    if not rows:
+        return []
+    body = []
+    for name, _, r in rows:
+        breakdown = r["breakdown"]
+        categories = breakdown["categories_ms"]
+        total = sum(categories.values())
+        shares = [_pct(categories.get(c, 0.0) / total) if total else None for c in CATEGORY_NAMES]
+        exposed = breakdown.get("exposed_comm_ms", {})
+        body.append(
+            [
+                r["flavor"],
+                r["seq_len"],
+                r.get("gpus"),
+                r["cp"],
+                _ac_name(r["ac"]),
+                f"{r['step_time_s'] * 1000:.1f}",
+                _ms(breakdown.get("busy_ms")),
+                _ms(exposed.get("fsdp")),
+                _ms(exposed.get("all_to_all")),
+                *shares,
+                _pct(gdn_kernel_share(r)),
+                _pct(gdn_kernel_share(r, layer_only=True)),
+                _syncs_text(breakdown.get("host_syncs")),
+                sources.cite(name),
+            ]
+        )
+    measure = rows[0][2]["breakdown"].get("measure", "kernel time")
+    headings = ["flavor", "seq_len", "GPUs", "cp", "checkpointing", "step ms", "busy ms"]
+    headings += ["exposed FSDP ms", "exposed a2a ms", *CATEGORY_NAMES.values()]
+    headings += ["GDN block: rule+conv", "GDN layer: rule+conv", "host syncs", "file"]
+    intro = [
+        f"One profiled step of each configuration's most recent run; share of summed {measure}, "
+        "which overlaps across streams. busy: time any kernel runs; exposed: time the "
+        "collectives' kernels run while no compute kernel does (runs before this was "
+        "recorded: empty); GDN block: delta rule + conv share of the GDN decoder blocks' time "
+        "without FSDP; GDN layer: the same share without the MLP's GEMMs (the block's GEMM "
+        "time split by the linear weights of the layer and of the MLP); host syncs: times the "
+        "host waited for the device, by phase.",
+        "",
+    ]
+    return intro + table(headings, body) + sources.listing(_sources_of(rows))
+
+
+@question("How fast are context parallel's all-to-alls?")
+def _all_to_alls(results: dict, sources: Sources, plots: dict) -> list[str]:
+    key = lambda r: (r["flavor"], r["seq_len"], r.get("gpus"), r["cp"], r["ac"])  # noqa: E731
+    rows = [
+        item
+        for item in _ours(results)
+        if item[2]["cp"] > 1 and item[2].get("breakdown", {}).get("all_to_all")
+    ]
+    rows = _sorted(_latest(rows, key), "seq_len", "cp", "ac")
+    body = []
+    for name, data, r in rows:
+        probe = data.get("probe", [])
+        for size in r["breakdown"]["all_to_all"]["sizes"]:
+            match = _find(probe, bytes=size["bytes"]) or _nearest(probe, size["bytes"])
+            body.append(
+                [
+                    r["flavor"],
+                    r["seq_len"],
+                    r["cp"],
+                    _ac_name(r["ac"]),
+                    size["direction"],
+                    _mib(size["bytes"]),
+                    size["calls"],
+                    size.get("median_kernel_ms"),
+                    size.get("median_nccl_kernel_ms"),
+                    size.get("median_exchange_ms"),
+                    size.get("exchange_gb_per_s"),
+                    match and match.get("kernel_gb_per_s", match["gb_per_s"]),
+                    _pct(_bandwidth_share(size, probe)),
+                    sources.cite(name),
+                ]
+            )
+    if not body:
+        return []
+    headings = ["flavor", "seq_len", "cp", "checkpointing", "direction", "MiB/rank", "calls"]
+    headings += ["op ms", "NCCL kernel ms", "exchange ms", "exchange GB/s", "NCCL alone GB/s"]
+    headings += ["share", "file"]
+    intro = [
+        "The mixers' all-to-alls by message size, from the profiled step, medians: `op` is "
+        "every kernel of the exchange op on rank 0; `NCCL kernel` rank 0's all-to-all kernel, "
+        "which includes waiting for the other ranks to arrive; `exchange` runs from the last "
+        "rank's kernel start to the last rank's end (every rank profiled; older runs: blank). "
+        "NCCL alone: NCCL `all_to_all_single` by itself for the same bytes in the same run, its "
+        "kernel time where the probe has it. share: the exchange's bandwidth over NCCL's "
+        "alone where the exchange was timed, else the op's.",
+        "",
+    ]
+    return intro + table(headings, body) + sources.listing(_sources_of(rows))
+
+
+@question("How close is the delta rule to FLA's kernel alone?")
+def _kernel(results: dict, sources: Sources, plots: dict) -> list[str]:
+    items = [
+        (name, data, {**k, "_file_results": data["results"]})
+        for name, data in results.get("throughput", [])
+        for k in data.get("kernel", [])
+    ]
+    key = lambda k: (k["flavor"], k["seq_len"], k["cp"], k["ac"])  # noqa: E731
+    rows = _sorted(_latest(items, key), "seq_len", "cp", "ac")
+    if not rows:
+        return []
+    body = []
+    for name, _, k in rows:
+        mine = _find(
+            k["_file_results"], flavor=k["flavor"], seq_len=k["seq_len"], cp=k["cp"], ac=k["ac"]
+        )
+        ours_ms = (mine or {}).get("breakdown", {}).get("categories_ms", {}).get("delta_rule")
+        ceiling = kernel_ceiling_ms(k)
+        shape = k["shape"]
+        body.append(
+            [
+                k["flavor"],
+                k["seq_len"],
+                k["cp"],
+                _ac_name(k["ac"]),
+                f"{shape['value_heads']}x{shape['key_dim']}",
+                shape["documents"],
+                k.get("backend"),
+                k.get("measure", "wall time"),
+                k.get("forward_ms"),
+                k.get("forward_backward_ms"),
+                ceiling,
+                ours_ms,
+                _ratio(ours_ms / ceiling) if ours_ms and ceiling else None,
+                sources.cite(name),
+            ]
+        )
+    headings = ["flavor", "seq_len", "cp", "checkpointing", "heads x dim", "documents"]
+    headings += ["kernel", "timed as", "fwd ms", "fwd+bwd ms", "ceiling ms/step"]
+    headings += ["ours: delta-rule ms/step", "ours / ceiling", "file"]
+    intro = [
+        "The delta-rule kernel alone at each GDN layer's shape on one rank (the ceiling: "
+        "forward + backward per GDN layer, and the forward once more where full checkpointing "
+        "recomputes it). Ours is GPU kernel time from the profiled step; a ceiling timed as "
+        "wall time also holds FLA's host work per call, so it is only an upper bound there.",
+        "",
+    ]
+    return intro + table(headings, body) + sources.listing(_sources_of(rows))
+
+
+@question("Are the targets met?")
+def _targets_section(results: dict, sources: Sources, plots: dict) -> list[str]:
+    latest = {}
+    for name, data in results.get("throughput", []):
+        rank = (any(_is_trainer(r) for r in data["results"]), _date(data))
+        for row in _target_rows(data):
+            key = (row[0], row[1])
+            if key not in latest or latest[key][0] <= rank:
+                latest[key] = (rank, name, row)
+    if not latest:
+        return []
+    entries = sorted(latest.values(), key=lambda entry: (entry[2][0], _natural(entry[2][1])))
+    body = [[*row, sources.cite(name)] for _, name, row in entries]
+    intro = [
+        f"From each configuration's most recent run: our tokens/s at cp=1 against transformers "
+        f"+ FLA's best (>= {TARGET_SPEEDUP_VS_TRANSFORMERS}x); cp=2's tokens/s per GPU against "
+        f"cp=1's (>= {TARGET_CP_EFFICIENCY}); one all-to-all per direction per mixer, at >= "
+        f"{TARGET_BANDWIDTH_SHARE:.0%} of NCCL's bandwidth alone for the same bytes (the lowest "
+        f"size counts); >= {TARGET_GDN_KERNEL_SHARE:.0%} of a GDN layer's kernel time in the "
+        f"delta rule and conv. The longest row with cp is under the context-parallel question.",
+        "",
+    ]
+    table_lines = table(["target", "configuration", "value", "met", "file"], body)
+    return intro + table_lines + sources.listing([name for _, name, _ in entries])
+
+
+def _natural(text: str) -> list:
+    """Sort key reading the numbers in `text` as numbers (8192 before 16384)."""
+    return [
+        (0, float(part), "") if part[0].isdigit() else (1, 0.0, part)
+        for part in re.findall(r"\d+\.?\d*|\D+", text)
+    ]
+
+
+def _target_rows(data: dict) -> list[list]:
+    """The targets, computed from one run's numbers."""
+    results = _ok(data["results"])
+    rows = _speedup_rows(results, _ok(data.get("transformers", [])))
+    rows += _cp_efficiency_rows(results)
+    rows += _all_to_all_rows(results, data.get("probe", []))
+    rows += _gdn_share_rows(results)
+    return rows
+
+
+@question("What do the training runs show?")
+def _runs_section(results: dict, sources: Sources, plots: dict) -> list[str]:
+    files = results.get("runs", [])
+    if not files:
+        return []
+    rows = [
+        [
+            r.get("run"),
+            r.get("steps"),
+            _loss_text([r["first_loss"], r["last_loss"]]) if "first_loss" in r else None,
+            r.get("median_tps_per_gpu"),
+            r.get("peak_memory_gib"),
+            sources.cite(name),
+        ]
+        for name, data in files
+        for r in data["runs"]
+    ]
+    intro = [
+        "`scripts/gpu_validation.sh` runs of `run_train.sh` (its step names: long sequences on "
+        "one GPU, eager against compiled, cp=2 against cp=1, the debug config on 2 GPUs), "
+        "summarized by `scripts/summarize_runs.py` from rank 0's log.",
+        "",
+    ]
+    headings = ["run", "steps", "loss first → last", "tokens/s/GPU", "peak GiB", "file"]
+    return intro + table(headings, rows) + sources.listing([name for name, _ in files])
+
+
+# ---------------------------------------------------------------------------------------------
+# Cells and targets
 
 
 def table(headings: list[str], rows: list[list]) -> list[str]:
@@ -104,82 +741,6 @@ def _ratio(value) -> str | None:
     return None if value is None else f"{value:.2f}x"
 
 
-def _provenance(name: str, data: dict) -> list[str]:
-    env = data.get("environment") or {}
-    hardware, versions = env.get("hardware", {}), env.get("versions", {})
-    shown = ("torch", "cuda", "triton", "fla", "transformers", "nccl", "torchtitan")
-    version_text = ", ".join(f"{k} {versions[k]}" for k in shown if versions.get(k))
-    memory = f" ({hardware['memory_gib']} GiB)" if hardware.get("memory_gib") else ""
-    git = env.get("git", {})
-    commit = (git.get("commit") or "?")[:10] + (" (modified)" if git.get("dirty") else "")
-    commands = data.get("commands") or [env.get("command", "?")]
-    settings = "".join(f"; {key}={value}" for key, value in env.get("env", {}).items())
-    return [
-        f"`docs/results/{name}`: {env.get('date', '?')}, {hardware.get('processes', '?')} x "
-        f"{hardware.get('device', '?')}{memory}; {version_text}; commit {commit}{settings}.",
-        "",
-        "```bash",
-        *commands,
-        "```",
-        "",
-    ]
-
-
-def _throughput_section(files: list[tuple[str, dict]], plot: str | None) -> list[str]:
-    lines = [
-        "## Training throughput",
-        "",
-        "Median of the timed steps (warm-up excluded), slowest rank; tokens/s per GPU counts "
-        "every rank's tokens. MFU uses the trainer's FLOP count (`titan_gdn/model/flops.py`: "
-        "attention over the whole row); MFU (documents) counts attention within each document "
-        "and the delta rule as FLA computes it (`benchmarks/flop_count.py`). cp=1 with N "
-        "processes is N-way data parallel (FSDP). host: the time until the step's call "
-        "returns (the host has launched all of it) over the step time; near 100%, the GPU "
-        "waited for the host's launches.",
-        "",
-    ]
-    if plot:
-        lines += [f"![tokens/s per GPU vs sequence length]({plot})", ""]
-    for name, data in files:
-        lines += [f"### {name}", ""] + _provenance(name, data)
-        lines += _results_table(data) + _targets(data)
-        lines += _breakdown_table(data) + _all_to_all_table(data)
-        lines += _transformers_table(data) + _kernel_table(data) + _probe_table(data)
-    return lines
-
-
-def _options_text(result: dict) -> str:
-    return f"ac={result.get('ac')}, docs={result.get('docs')}"
-
-
-def _results_table(data: dict) -> list[str]:
-    rows = []
-    for r in data["results"]:
-        rows.append(
-            [
-                r["flavor"],
-                r["seq_len"],
-                r.get("gpus"),
-                r["cp"],
-                r.get("dp"),
-                _options_text(r),
-                r["status"],
-                r.get("documents_per_row"),
-                _seconds(r.get("step_time_s")),
-                _pct(_host_share(r)),
-                r.get("tokens_per_s_per_gpu"),
-                _pct(r.get("mfu")),
-                _pct(r.get("mfu_documents")),
-                r.get("peak_reserved_gib"),
-                r.get("peak_active_gib"),
-            ]
-        )
-    headings = ["flavor", "seq_len", "GPUs", "cp", "dp", "options", "status", "docs/row"]
-    headings += ["step (s)", "host", "tokens/s/GPU", "MFU", "MFU (documents)"]
-    headings += ["peak reserved GiB", "peak active GiB"]
-    return table(headings, rows)
-
-
 def _host_share(result: dict) -> float | None:
     host, step = result.get("host_time_s"), result.get("step_time_s")
     return None if host is None or not step else host / step
@@ -195,18 +756,6 @@ def _ok(entries: list[dict]) -> list[dict]:
 
 def _find(entries: list[dict], **key) -> dict | None:
     return next((e for e in entries if all(e.get(k) == v for k, v in key.items())), None)
-
-
-def _targets(data: dict) -> list[str]:
-    """The issue-6 targets, computed from this run's numbers."""
-    results = _ok(data["results"])
-    rows = _speedup_rows(results, _ok(data.get("transformers", [])))
-    rows += _cp_efficiency_rows(results)
-    rows += _all_to_all_rows(results, data.get("probe", []))
-    rows += _gdn_share_rows(results)
-    if not rows:
-        return []
-    return ["Targets (issue 6):", ""] + table(["target", "configuration", "value", "met"], rows)
 
 
 def _config(result: dict) -> str:
@@ -344,53 +893,6 @@ def _gdn_share_rows(results: list[dict]) -> list[list]:
     return rows
 
 
-def _breakdown_table(data: dict) -> list[str]:
-    rows = []
-    for r in _ok(data["results"]):
-        breakdown = r.get("breakdown")
-        if not breakdown:
-            continue
-        categories = breakdown["categories_ms"]
-        total = sum(categories.values())
-        shares = [_pct(categories[c] / total) if total else None for c in CATEGORY_NAMES]
-        step_ms = r["step_time_s"] * 1000
-        busy = breakdown.get("busy_ms")
-        exposed = breakdown.get("exposed_comm_ms", {})
-        rows.append(
-            [
-                r["flavor"],
-                r["seq_len"],
-                r["cp"],
-                f"{step_ms:.1f}",
-                _ms(busy),
-                _ms(exposed.get("fsdp")),
-                _ms(exposed.get("all_to_all")),
-                *shares,
-                _pct(gdn_kernel_share(r)),
-                _pct(gdn_kernel_share(r, layer_only=True)),
-                _syncs_text(breakdown.get("host_syncs")),
-            ]
-        )
-    if not rows:
-        return []
-    measure = _ok(data["results"])[0].get("breakdown", {}).get("measure", "kernel time")
-    headings = ["flavor", "seq_len", "cp", "step ms", "busy ms", "exposed FSDP ms"]
-    headings += ["exposed a2a ms", *CATEGORY_NAMES.values()]
-    headings += ["GDN block: rule+conv", "GDN layer: rule+conv", "host syncs"]
-    intro = [
-        f"Where the time goes (one profiled step; share of summed {measure}, which overlaps "
-        "across streams; busy = time any kernel runs; exposed = time the collectives' "
-        "kernels run while no compute kernel does (runs before this column existed: empty); "
-        "GDN block = delta rule + conv share of "
-        "the GDN decoder blocks' time without FSDP; GDN layer = the same share of the blocks' "
-        "time without the MLP's GEMMs (the block's GEMM time split by the linear weights of "
-        "the layer and of the MLP); host syncs = times the host waited for the device, "
-        "by phase):",
-        "",
-    ]
-    return intro + table(headings, rows)
-
-
 def _syncs_text(syncs: dict | None) -> str | None:
     if not syncs:
         return None
@@ -408,123 +910,6 @@ def _ms(value) -> str | None:
     return None if value is None else f"{value:.1f}"
 
 
-def _all_to_all_table(data: dict) -> list[str]:
-    probe = data.get("probe", [])
-    rows = []
-    for r in _ok(data["results"]):
-        a2a = r.get("breakdown", {}).get("all_to_all")
-        if r["cp"] == 1 or not a2a:
-            continue
-        for size in a2a["sizes"]:
-            match = _find(probe, bytes=size["bytes"]) or _nearest(probe, size["bytes"])
-            rows.append(
-                [
-                    r["flavor"],
-                    r["seq_len"],
-                    r["cp"],
-                    size["direction"],
-                    _mib(size["bytes"]),
-                    size["calls"],
-                    size.get("median_kernel_ms"),
-                    size.get("gb_per_s"),
-                    size.get("median_nccl_kernel_ms"),
-                    size.get("median_exchange_ms"),
-                    size.get("exchange_gb_per_s"),
-                    match and match.get("kernel_gb_per_s", match["gb_per_s"]),
-                    _pct(_bandwidth_share(size, probe)),
-                ]
-            )
-    if not rows:
-        return []
-    headings = ["flavor", "seq_len", "cp", "direction", "MiB/rank", "calls", "op ms", "op GB/s"]
-    headings += ["NCCL kernel ms", "exchange ms", "exchange GB/s", "NCCL alone GB/s", "share"]
-    intro = [
-        "Mixer collectives (all-to-all on NCCL) by message size, from the profiled step, rank 0, "
-        "medians: `op` is every kernel of the exchange op (a layout copy too); `NCCL kernel` "
-        "the all-to-all kernel alone, which includes waiting for the other ranks to arrive; "
-        "`exchange` runs from the last rank's kernel start to the last rank's end (every rank "
-        "profiled; older runs: blank). NCCL alone: its kernel time where the probe has it. "
-        "The share is the exchange's bandwidth over NCCL's alone where it was timed, else the "
-        "op's:",
-        "",
-    ]
-    return intro + table(headings, rows)
-
-
-def _transformers_table(data: dict) -> list[str]:
-    references = data.get("transformers", [])
-    if not references:
-        return []
-    ours = _ok(data["results"])
-    rows = []
-    for t in references:
-        mine = _find(ours, flavor=t["flavor"], seq_len=t["seq_len"], cp=1)
-        speedup = None
-        if mine and t.get("status") == "ok":
-            speedup = mine["tokens_per_s_per_gpu"] / t["tokens_per_s_per_gpu"]
-        rows.append(
-            [
-                t["flavor"],
-                t["seq_len"],
-                t.get("gradient_checkpointing"),
-                t.get("status"),
-                _seconds(t.get("step_time_s")),
-                t.get("tokens_per_s_per_gpu"),
-                t.get("peak_reserved_gib"),
-                f"{t.get('delta_rule')}/{t.get('conv')}/{t.get('attention')}",
-                _ratio(speedup),
-            ]
-        )
-    headings = ["flavor", "seq_len", "checkpointing", "status", "step (s)", "tokens/s/GPU"]
-    headings += ["peak reserved GiB", "delta rule/conv/attention", "ours (cp=1) / theirs"]
-    intro = [
-        "transformers `Qwen3_5ForCausalLM` on the same rows (one GPU, bf16 weights and AdamW, "
-        "eager, its full-logits loss; rows as plain sequences, without document masking):",
-        "",
-    ]
-    return intro + table(headings, rows)
-
-
-def _kernel_table(data: dict) -> list[str]:
-    kernels = data.get("kernel", [])
-    if not kernels:
-        return []
-    ours = data["results"]
-    rows = []
-    for k in kernels:
-        mine = _find(ours, flavor=k["flavor"], seq_len=k["seq_len"], cp=k["cp"], ac=k["ac"])
-        ours_ms = (mine or {}).get("breakdown", {}).get("categories_ms", {}).get("delta_rule")
-        ceiling = kernel_ceiling_ms(k)
-        shape = k["shape"]
-        rows.append(
-            [
-                k["flavor"],
-                k["seq_len"],
-                k["cp"],
-                f"{shape['value_heads']}x{shape['key_dim']}",
-                shape["documents"],
-                k.get("backend"),
-                k.get("measure", "wall time"),
-                k.get("forward_ms"),
-                k.get("forward_backward_ms"),
-                ceiling,
-                ours_ms,
-                _ratio(ours_ms / ceiling) if ours_ms and ceiling else None,
-            ]
-        )
-    headings = ["flavor", "seq_len", "cp", "heads x dim", "documents", "kernel", "timed as"]
-    headings += ["fwd ms", "fwd+bwd ms", "ceiling ms/step", "ours: delta-rule ms/step"]
-    headings += ["ours / ceiling"]
-    intro = [
-        "The delta-rule kernel alone at each GDN layer's shape on one rank (the ceiling: "
-        "forward + backward per GDN layer, and the forward once more where full checkpointing "
-        "recomputes it). Ours is GPU kernel time from the profiled step; a ceiling timed as "
-        "wall time also holds FLA's host work per call, so it is only an upper bound there:",
-        "",
-    ]
-    return intro + table(headings, rows)
-
-
 def kernel_ceiling_ms(kernel: dict) -> float | None:
     """The delta-rule kernels' time per training step if they ran alone: each GDN layer's
     forward and backward, and its forward again when full checkpointing recomputes it."""
@@ -532,70 +917,6 @@ def kernel_ceiling_ms(kernel: dict) -> float | None:
         return None
     recomputed = kernel["forward_ms"] if kernel["ac"] == "full" else 0.0
     return round(kernel["layers"] * (kernel["forward_backward_ms"] + recomputed), 3)
-
-
-def _probe_table(data: dict) -> list[str]:
-    probe = data.get("probe", [])
-    if not probe:
-        return []
-    rows = [
-        [
-            _mib(p["bytes"]),
-            p["median_ms"],
-            p["gb_per_s"],
-            p["bus_gb_per_s"],
-            p.get("kernel_ms"),
-            p.get("kernel_gb_per_s"),
-        ]
-        for p in probe
-    ]
-    intro = [
-        "NCCL `all_to_all_single` alone at the mixers' message sizes (wall: one synchronized "
-        "call; kernel: the NCCL kernel's duration, the measure of the mixers' all-to-alls; "
-        "the bandwidth target compares kernel to kernel where the probe has kernel times, "
-        "else to wall time):",
-        "",
-    ]
-    headings = ["MiB/rank", "wall ms", "wall GB/s", "wall bus GB/s", "kernel ms", "kernel GB/s"]
-    return intro + table(headings, rows)
-
-
-def _memory_section(files: list[tuple[str, dict]], plot: str | None) -> list[str]:
-    lines = [
-        "## Longest trainable sequence",
-        "",
-        "Powers of two, then bisection between the longest fit and the first out-of-memory "
-        "length; each trial a few real training steps in a fresh process "
-        "(`benchmarks/memory.py`). Peak memory and tokens/s at the longest fit.",
-        "",
-    ]
-    if plot:
-        lines += [f"![peak memory vs sequence length]({plot})", ""]
-    rows = []
-    for name, data in files:
-        options, result = data["options"], data.get("result", {})
-        rows.append(
-            [
-                options["flavor"],
-                options["cp"],
-                options["ac"],
-                _searched(options),
-                result.get("longest_fit"),
-                result.get("first_oom"),
-                result.get("peak_reserved_gib"),
-                result.get("tokens_per_s_per_gpu"),
-                _loss_text(result.get("losses")),
-                "yes" if result.get("complete") else "no",
-                f"`{name}`",
-            ]
-        )
-    headings = ["flavor", "cp (GPUs)", "AC", "lengths searched", "longest fit", "first OOM"]
-    headings += ["peak reserved GiB"]
-    headings += ["tokens/s/GPU", "loss first → last", "complete", "file"]
-    lines += table(headings, rows) + _length_ratio_rows(files)
-    for name, data in files:
-        lines += [f"### {name}", ""] + _provenance(name, data) + _trials_table(data)
-    return lines
 
 
 def _searched(options: dict) -> str:
@@ -607,73 +928,13 @@ def _loss_text(losses) -> str | None:
     return f"{losses[0]:.3f} → {losses[-1]:.3f}" if losses else None
 
 
-def _length_ratio_rows(files: list[tuple[str, dict]]) -> list[str]:
-    searches = [(d["options"], d.get("result", {})) for _, d in files]
-    rows = []
-    for options, result in searches:
-        base = next(
-            (
-                r
-                for o, r in searches
-                if o["cp"] == 1 and o["flavor"] == options["flavor"] and o["ac"] == options["ac"]
-            ),
-            None,
-        )
-        if options["cp"] > 1 and base and base.get("longest_fit") and result.get("longest_fit"):
-            ratio = result["longest_fit"] / base["longest_fit"]
-            config = f"{options['flavor']} ac={options['ac']} cp={options['cp']} / cp=1"
-            rows.append([config, _ratio(ratio), _met(ratio, TARGET_CP_LENGTH_RATIO)])
-    if not rows:
-        return []
-    return [
-        f"Longest sequence with cp vs one GPU (target >= {TARGET_CP_LENGTH_RATIO}x):",
-        "",
-    ] + table(["configuration", "ratio", "met"], rows)
-
-
-def _trials_table(data: dict) -> list[str]:
-    rows = [
-        [
-            t["seq_len"],
-            t["status"],
-            t.get("peak_reserved_gib"),
-            t.get("peak_active_gib"),
-            t.get("outside_allocator_gib"),
-            t.get("tokens_per_s_per_gpu"),
-            _loss_text(t.get("losses")),
-        ]
-        for t in data.get("trials", [])
-    ]
-    headings = ["seq_len", "status", "peak reserved GiB", "peak active GiB"]
-    headings += ["outside allocator GiB", "tokens/s/GPU", "loss first → last"]
-    return table(headings, rows)
-
-
-def _runs_section(files: list[tuple[str, dict]]) -> list[str]:
-    lines = ["## Training runs", "", "Summaries of `scripts/gpu_validation.sh` runs.", ""]
-    for name, data in files:
-        rows = [
-            [
-                r.get("run"),
-                r.get("steps"),
-                _loss_text([r["first_loss"], r["last_loss"]]) if "first_loss" in r else None,
-                r.get("median_tps_per_gpu"),
-                r.get("peak_memory_gib"),
-            ]
-            for r in data["runs"]
-        ]
-        lines += [f"`docs/results/{name}`:", ""]
-        lines += table(["run", "steps", "loss first → last", "tokens/s/GPU", "peak GiB"], rows)
-    return lines
-
-
 # ---------------------------------------------------------------------------------------------
 # Plots
 
 
 def plan_plots(results: dict, doc_path: Path) -> dict[str, str]:
     """The plots the document shows (relative paths), for the kinds that have data."""
-    folder = doc_path.with_suffix("")  # docs/benchmarks/
+    folder = doc_path.with_suffix("")  # docs/performance/
     relative = folder.name
     plots = {}
     if any(_ok(d["results"]) for _, d in results.get("throughput", [])):
@@ -711,8 +972,9 @@ def draw_plots(results: dict, plots: dict[str, str], doc_path: Path) -> bool:
 def throughput_series(results: dict) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """Tokens/s per GPU by flavor, then configuration, as (seq_len, value) points across all
     throughput files, so one configuration measured in several runs is one line; where runs
-    overlap, the most recent run's figure is used."""
-    latest: dict[tuple[str, str, int], tuple[str, float]] = {}
+    overlap, the most recent run's figure is used, a training-command one before a rebuilt
+    step's."""
+    latest: dict[tuple[str, str, int], tuple[tuple[bool, str], float]] = {}
     for _, data in results.get("throughput", []):
         date = (data.get("environment") or {}).get("date", "")
         points = [
@@ -725,8 +987,9 @@ def throughput_series(results: dict) -> dict[str, dict[str, list[tuple[int, floa
         ]
         for record, label in points:
             key = (record["flavor"], label, record["seq_len"])
-            if key not in latest or latest[key][0] <= date:
-                latest[key] = (date, record["tokens_per_s_per_gpu"])
+            rank = (_is_trainer(record), date)
+            if key not in latest or latest[key][0] <= rank:
+                latest[key] = (rank, record["tokens_per_s_per_gpu"])
     series: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for (flavor, label, seq_len), (_, value) in sorted(latest.items()):
         series[flavor][label].append((seq_len, value))

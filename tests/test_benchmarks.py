@@ -102,13 +102,17 @@ def test_memory_json_reports_the_longest_fit(results):
 
 
 def test_report_renders_tables_and_plots(results, tmp_path):
-    doc = tmp_path / "benchmarks.md"
+    doc = tmp_path / "performance.md"
     assert report.main(["--results", str(results), "--out", str(doc)]) == 0
     text = doc.read_text()
     assert "| debugmodel | 64 | 2 | 2 | 1 |" in text  # the cp=2 row of the throughput table
     assert "transformers `Qwen3_5ForCausalLM`" in text and "NCCL `all_to_all_single`" in text
     assert "| debugmodel | 1 | none | 64 only | 64 |" in text  # the memory search
     assert "benchmarks.memory --flavor debugmodel" in text
+    # One section per question, each table citing its files with the commands that wrote them.
+    assert "## How does titan_gdn compare with transformers + FLA?" in text
+    assert "## How long a row fits?" in text and "`docs/results/memory.json`: `" in text
+    assert "--out docs/results/throughput.json" in text
     assert report.main(["--results", str(results), "--out", str(doc), "--check"]) == 0
     # Without checkpointing each mixer's backward sends one all-to-all per direction.
     expected_row = "| debugmodel 64 cp=2 ac=none | 2 forward, 2 backward | yes |"
@@ -117,8 +121,8 @@ def test_report_renders_tables_and_plots(results, tmp_path):
         import matplotlib  # noqa: F401
     except ImportError:
         return  # plots are optional (the bench extra); the text is checked above
-    assert (tmp_path / "benchmarks" / "throughput.png").stat().st_size > 0
-    assert (tmp_path / "benchmarks" / "memory.png").stat().st_size > 0
+    assert (tmp_path / "performance" / "throughput.png").stat().st_size > 0
+    assert (tmp_path / "performance" / "memory.png").stat().st_size > 0
 
 
 def test_all_to_all_target_counts_the_forwards_that_full_checkpointing_recomputes():
@@ -194,7 +198,8 @@ def test_kernel_ceiling_counts_the_forward_that_full_checkpointing_recomputes():
     assert report.kernel_ceiling_ms({**kernel, "ac": "full", "status": "oom"}) is None
 
 
-def test_committed_benchmarks_doc_is_generated_from_the_results():
+def test_committed_performance_page_is_generated_from_the_results():
+    assert report.DOC_PATH.name == "performance.md"
     assert report.main(["--check"]) == 0, "run python -m benchmarks.report"
 
 
