@@ -1003,7 +1003,9 @@ def _throughput_figure(plt, results: dict):
         1, len(flavors), figsize=(4.2 * len(flavors) + 1.5, 4.2), squeeze=False
     )
     labels = sorted({label for by_label in series.values() for label in by_label})
-    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    # tab20 holds 10 hues, dark then light: the first 10 labels get the dark ones.
+    palette = plt.get_cmap("tab20")
+    colors = {label: palette((2 * i + i // 10) % 20) for i, label in enumerate(labels)}
     for axis, flavor in zip(axes[0], flavors, strict=True):
         for label, points in sorted(series[flavor].items()):
             style = "--" if label.startswith("transformers") else "-"
