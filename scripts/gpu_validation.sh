@@ -62,7 +62,7 @@ cp_run() {  # cp_run CP DP
 cp1() { CUDA_VISIBLE_DEVICES=0 cp_run 1 1; }
 cp2() { cp_run 2 1; }
 
-# Issue 8 (8 GPUs): loss curves at cp 2, 4, 8 against cp=1, and dp_shard 2 x cp 4 against
+# On 8 GPUs: loss curves at cp 2, 4, 8 against cp=1, and dp_shard 2 x cp 4 against
 # dp_shard 2 (two rows a step); `summary` compares each with its baseline.
 scaling() {
     cp_run 1 1; cp_run 2 1; cp_run 4 1; cp_run 8 1
@@ -73,7 +73,7 @@ fsdp() {
     train fsdp2_seq8k 2 "${BIG[@]}" --training.seq_len 8192 --training.steps 25
 }
 
-# Issue 5: the same 0.8B run at 16k, eager and compiled (inductor), from the same seed.
+# Eager against compiled (inductor): the same 0.8B run at 16k from the same seed.
 SEQ_COMPILE=${SEQ_COMPILE:-16384}
 STEPS_COMPILE=${STEPS_COMPILE:-15}
 eager16k() {
@@ -86,7 +86,7 @@ compiled16k() {
         --training.steps "$STEPS_COMPILE" --debug.seed 42 --compile.enable
 }
 
-# Issue 9: the longest sequences on one GPU, compiled, full AC, chunked loss.
+# Long rows on one GPU, compiled, full AC, chunked loss: 0.8B at 256k, 2B at 128k.
 long08b() {
     CUDA_VISIBLE_DEVICES=${GPU:-0} train long_0.8b_seq256k 1 "${BIG[@]}" --training.seq_len 262144 \
         --training.steps 6 --compile.enable
@@ -101,7 +101,7 @@ debug() {
     train debug_2gpu 2 --training.steps 30 --metrics.log_freq 5
 }
 
-all() {  # the order of one session's runs: tests on GPU 1 while GPU 0 makes the seed
+all() {  # tests on GPU 1 while GPU 0 makes the seed, then the training runs
     TEST_GPU=1 gpu_tests & seed; wait
     cp1; cp2; fsdp; debug
 }
