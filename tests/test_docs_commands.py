@@ -1,0 +1,152 @@
+"""The commands of README.md and docs/*.md work as written.
+
+Every ```bash block on those pages is preceded by a marker comment saying how it is tested:
+
+    <!-- test: cpu -->      run here, verbatim, in a copy of the repository
+    <!-- test: gpu -->      needs CUDA: not run in CI
+    <!-- test: install -->  installs packages: CI's own install step runs it
+    <!-- test: skip ... --> not run, the comment says why
+
+The cpu blocks of all pages run in one copy of the checkout (its tracked and untracked,
+not ignored files), page after page and in page order, so a block may use what an earlier
+block of its page wrote; a block whose text already ran (the quickstart, on two pages) runs
+once. `./hf_model` in that copy is a tiny random transformers Qwen3.5 checkpoint, standing in
+for the one docs/checkpoints.md asks the user to bring. Only exit codes are checked (and the
+files a recipe promises): the quickstart's output and losses are free to change.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+MARKED_BLOCK = re.compile(r"<!--\s*test:\s*(\w+)[^>]*-->\s*\n```bash\n(.*?)\n```", re.DOTALL)
+ANY_BASH_BLOCK = re.compile(r"^```bash$", re.MULTILINE)
+KINDS = {"cpu", "gpu", "install", "skip"}
+# Relative links to pages that are being written elsewhere may be missing for a while.
+PENDING_LINKS = {"docs/performance.md"}
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+pytestmark = pytest.mark.skipif(
+    torch.accelerator.is_available(), reason="the CPU commands; GPU blocks are marked gpu"
+)
+
+
+def _blocks(page: Path) -> list[tuple[str, str]]:
+    return [(kind, body) for kind, body in MARKED_BLOCK.findall(page.read_text())]
+
+
+def _page_id(page: Path) -> str:
+    return str(page.relative_to(REPO))
+
+
+def test_every_bash_block_says_how_it_is_tested():
+    for page in PAGES:
+        text = page.read_text()
+        blocks = _blocks(page)
+        assert len(ANY_BASH_BLOCK.findall(text)) == len(blocks), (
+            f"{_page_id(page)}: a ```bash block without a <!-- test: KIND --> marker"
+        )
+        for kind, _ in blocks:
+            assert kind in KINDS, f"{_page_id(page)}: unknown marker kind {kind!r}"
+
+
+def test_relative_links_point_at_files():
+    missing = []
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            path = (page.parent / target).resolve()
+            if not path.exists() and str(path.relative_to(REPO)) not in PENDING_LINKS:
+                missing.append(f"{_page_id(page)} -> {target}")
+    assert not missing, missing
+
+
+def _copy_checkout(destination: Path) -> None:
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        source = REPO / name
+        if source.is_file():
+            target = destination / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def _tiny_hf_checkpoint(folder: Path) -> None:
+    """A transformers Qwen3.5 folder (config.json, safetensors, the bundled tokenizer) whose
+    vocabulary covers the bundled tokenizer."""
+    from tokenizers import Tokenizer
+
+    from benchmarks.references import transformers_qwen3_5_module
+    from tests.hf_reference import random_hf_model, tiny_hf_config
+
+    tokenizer_dir = REPO / "assets" / "tokenizer"
+    vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
+    config = tiny_hf_config(tied=True, vocab_size=max(2048, vocab))
+    model = random_hf_model(transformers_qwen3_5_module(torch_path=True), config, seed=21)
+    model.save_pretrained(folder, safe_serialization=True)
+    for tokenizer_file in tokenizer_dir.iterdir():
+        shutil.copy(tokenizer_file, folder)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("docs_commands") / "repo"
+    _copy_checkout(root)
+    _tiny_hf_checkpoint(root / "hf_model")
+    return {"root": root, "ran": set()}
+
+
+def _run_block(root: Path, body: str) -> subprocess.CompletedProcess:
+    # `python` and the console scripts of the interpreter running the tests.
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "PATH": path}
+    env.pop("NGPU", None)
+    return subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", body],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+# What a block promises on disk, checked after it ran: (text in the block, path).
+PROMISED_FILES = [
+    ("--checkpoint.last_save_in_hf", "outputs/finetune/checkpoint/step-20/config.json"),
+    ("--checkpoint.create_seed_checkpoint", "outputs/seed/checkpoint/step-0/.metadata"),
+]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_cpu_commands_of_the_page_run(workspace, page):
+    blocks = [body for kind, body in _blocks(page) if kind == "cpu"]
+    if not blocks:
+        pytest.skip("no cpu commands on this page")
+    root = workspace["root"]
+    for body in blocks:
+        if body in workspace["ran"]:
+            continue
+        result = _run_block(root, body)
+        output = (result.stdout + result.stderr)[-6000:]
+        assert result.returncode == 0, f"{_page_id(page)}:\n{body}\n--- output ---\n{output}"
+        workspace["ran"].add(body)
+        for flag, promised in PROMISED_FILES:
+            if flag in body and "NGPU=8" not in body:
+                assert (root / promised).exists(), f"{body}\ndid not write {promised}"
