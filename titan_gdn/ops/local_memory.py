@@ -7,7 +7,7 @@ per-thread stack any launched kernel needed, times every thread the GPU can hold
 for the life of the context. On an H200 the delta rule's tuning raises the stack to 26,128
 bytes per thread and holds 6.3 GiB outside PyTorch's allocator, enough to make a long cp=2 step
 run out of memory on a machine's first run; setting the stack-size limit back frees it
-(docs/gpu_results.md). Kernels launched later grow the reservation again only as far as they
+(docs/design.md). Kernels launched later grow the reservation again only as far as they
 themselves need.
 
 The ops call `release_after_first_use` after their kernels ran: the first time an op meets a
