@@ -34,7 +34,8 @@ ANY_BASH_BLOCK = re.compile(r"^```bash$", re.MULTILINE)
 KINDS = {"cpu", "gpu", "install", "skip"}
 # Relative links to pages that are being written elsewhere may be missing for a while.
 PENDING_LINKS = {"docs/performance.md"}
-LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)")
+HEADING = re.compile(r"^#+ (.+)$", re.MULTILINE)
 
 pytestmark = pytest.mark.skipif(
     torch.accelerator.is_available(), reason="the CPU commands; GPU blocks are marked gpu"
@@ -60,15 +61,29 @@ def test_every_bash_block_says_how_it_is_tested():
             assert kind in KINDS, f"{_page_id(page)}: unknown marker kind {kind!r}"
 
 
-def test_relative_links_point_at_files():
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors for the headings of `page`."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+    slugs = set()
+    for heading in HEADING.findall(text):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        slugs.add(slug)
+    return slugs
+
+
+def test_relative_links_point_at_files_and_headings():
     missing = []
     for page in PAGES:
-        for target in LINK.findall(page.read_text()):
+        for target, anchor in LINK.findall(page.read_text()):
             if "://" in target or target.startswith("mailto:"):
                 continue
-            path = (page.parent / target).resolve()
-            if not path.exists() and str(path.relative_to(REPO)) not in PENDING_LINKS:
+            path = (page.parent / target).resolve() if target else page
+            if str(path.relative_to(REPO)) in PENDING_LINKS and not path.exists():
+                continue
+            if not path.exists():
                 missing.append(f"{_page_id(page)} -> {target}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                missing.append(f"{_page_id(page)} -> {target}#{anchor}")
     assert not missing, missing
 
 
