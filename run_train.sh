@@ -16,7 +16,7 @@
 #     address, node ranks assigned on arrival; RDZV_ID names the job (default titan_gdn).
 # scripts/slurm_example.sbatch shows it under Slurm.
 
-set -ex
+set -e
 
 # The checkout's own packages (titan_gdn, tests.fixtures) import without a pip install.
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -50,7 +50,16 @@ else
     LAUNCH=(--rdzv_backend c10d --rdzv_endpoint="localhost:0")
 fi
 
+# OpenMP threads that wait sleep instead of spinning: when the cores are shared (another
+# process, a second rank), spinning threads made CPU steps 5-20x slower.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+
+# Colours only on a terminal: torchrun's workers never see one, so decide here. Arguments that
+# follow (e.g. --metrics.no-disable-color-printing) still win.
+COLOR=()
+if [ ! -t 1 ]; then COLOR=(--metrics.disable_color_printing); fi
+
 PYTORCH_ALLOC_CONF="expandable_segments:True" \
 torchrun --nproc_per_node="${NGPU}" "${LAUNCH[@]}" \
     --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
-    -m titan_gdn.train --job.config_file "${CONFIG_FILE}" "$@"
+    -m titan_gdn.train --job.config_file "${CONFIG_FILE}" "${COLOR[@]}" "$@"

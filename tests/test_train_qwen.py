@@ -250,7 +250,9 @@ def test_hf_checkpoint_imports_trains_and_exports_for_transformers(hf_qwen3_5, t
     output, log = _train_ok(tmp_path / "hf", *common, "--checkpoint.last_save_in_hf")
     _, dcp_log = _train_ok(tmp_path / "dcp", *common)
     assert f"loading from HF safetensors from --checkpoint.initial_load_path: {source}" in output
-    assert '"vocab_size": 2048' in output and '"dim": 64' in output  # the flavor read config.json
+    # The flavor read config.json: the model's arguments, as the trainer writes them.
+    model_args = json.loads((tmp_path / "hf" / "model_args.json").read_text())
+    assert (model_args["vocab_size"], model_args["dim"]) == (2048, 64)
     assert dcp_log == log
 
     # Step 1's loss is the imported model's: transformers' loss on the same first batch.

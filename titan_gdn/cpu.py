@@ -12,6 +12,9 @@ torchtitan decides its device once, at import (``tools/utils.py:37``), and falls
   ``get_device_properties`` (physical RAM), ``memory_stats`` (peak RSS), ``reset_peak_memory_stats``
   and ``empty_cache`` for the memory monitor (``components/metrics.py:45-95``), and an integer
   ``current_device`` for the pg-timeout barrier (``distributed/utils.py:386``);
+- answers NaN for the peak FLOPS (``tools/utils.py:77``): torchtitan's probe would run ``lspci``
+  (absent on most machines, a warning each time) and then assume an A100; NaN tells
+  :mod:`titan_gdn.metrics` that no MFU can be computed;
 - drops the duplicate CPU backend that ``training.enable_cpu_offload`` requests
   (``distributed/utils.py:333``).
 
@@ -104,6 +107,10 @@ class _CpuDeviceModule:
         return None
 
 
+def _no_peak_flops(device_name: str) -> float:
+    return float("nan")
+
+
 def _skip_cpu_offload_backend(dist_utils) -> None:
     init_distributed = dist_utils.init_distributed
 
@@ -143,6 +150,8 @@ def use_cpu_if_no_accelerator() -> bool:
     device_module = _CpuDeviceModule()
     # dual_pipe_v.py calls get_device_info() at import, so the function must answer CPU too.
     tt_utils.get_device_info = lambda: ("cpu", device_module)
+    # Read through the module (metrics.py and train.py call utils.get_peak_flops).
+    tt_utils.get_peak_flops = _no_peak_flops
     # Copies taken at import: tools/utils, distributed/{parallel_dims,utils}, components/metrics,
     # tools/profiling (and any other torchtitan module already loaded).
     _rebind(stale_type, stale_module, device_module)

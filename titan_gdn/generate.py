@@ -317,16 +317,18 @@ def generate(
     token starts a new document as in training; without `chunked_loss` the model returns
     logits."""
     generator = torch.Generator().manual_seed(seed)
-    tokens = torch.tensor([prompt_ids], dtype=torch.long)
+    # The model's device: the trainer samples its model where it trained (titan_gdn.trainer).
+    device = next(model.parameters()).device
+    tokens = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     new_ids: list[int] = []
     for _ in range(max_new_tokens):
         masks = model.get_attention_masks(tokens, tokenizer)
-        logits = model(tokens, attention_masks=masks)[0, -1]
+        logits = model(tokens, attention_masks=masks)[0, -1].cpu()
         token = next_token(logits, temperature, top_k, generator)
         if stop_at_eos and token == tokenizer.eos_id:
             break
         new_ids.append(token)
-        tokens = torch.cat([tokens, torch.tensor([[token]])], dim=1)
+        tokens = torch.cat([tokens, torch.tensor([[token]], device=device)], dim=1)
     return new_ids
 
 

@@ -27,13 +27,28 @@ class Training:
 
 
 @dataclass
+class Sample:
+    prompt: str = ""
+    """Text to continue with the trained model when training ends, printed with its
+    continuation (one process only); "": no sample. The same as `python -m titan_gdn.generate`
+    on the last checkpoint."""
+    max_new_tokens: int = 100
+    temperature: float = 0.8
+    """0: greedy (argmax); above 0: a seeded draw among the `top_k` likeliest tokens."""
+    top_k: int = 50
+    seed: int = 0
+
+
+@dataclass
 class JobConfig:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    sample: Sample = field(default_factory=Sample)
 
 
 def setting(job_config, section: str, name: str):
     """`job_config.<section>.<name>`, or its default here when the config was parsed without
     this module."""
     default = getattr(JobConfig(), section)
-    return getattr(getattr(job_config, section), name, getattr(default, name))
+    # A section of this module only ([sample]) is missing altogether.
+    return getattr(getattr(job_config, section, default), name, getattr(default, name))

@@ -4,10 +4,18 @@ torchtitan 0.2.2's Trainer shows its metrics processor only token counts, never 
 (train.py:403-408), so the training data loader counts documents (and the causal pairs that
 attention computes within them) into :data:`TRAINING_DOCUMENTS` as it hands out batches, and
 :class:`Qwen35MetricsProcessor` reads that tally at each log.
+
+Its step line keeps torchtitan's head, which log readers parse (scripts/summarize_runs.py), and
+ends with the run's progress; tflops and MFU appear only where the device's peak is known:
+
+    step: 10  loss:  5.83489  grad_norm:  1.2331  memory:  0.92GiB(3.91%)  tps: 385  docs: 13.6
+    progress: 10/60  elapsed: 0:14  eta: 1:08          (one line)
 """
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import torch
@@ -16,6 +24,7 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools import utils
+from torchtitan.tools.logging import logger
 
 from titan_gdn.model.flops import attention_flops_per_token, one_document_pairs_per_token
 
@@ -49,22 +58,6 @@ class DocumentTally:
 TRAINING_DOCUMENTS = DocumentTally()
 
 
-class _ColorWithSuffix:
-    """`color` whose `reset` first writes `suffix`.
-
-    torchtitan's step log line is one f-string closed by `color.reset`
-    (components/metrics.py:461-470), with no way to add a field; this appends one without
-    copying `MetricsProcessor.log`.
-    """
-
-    def __init__(self, color, suffix: str):
-        self._color = color
-        self.reset = suffix + color.reset
-
-    def __getattr__(self, name: str):
-        return getattr(self._color, name)
-
-
 class Qwen35MetricsProcessor(MetricsProcessor):
     """Adds `documents_per_step` (packed documents in a step's batches, summed over data-parallel
     ranks and averaged over the steps since the last log) to the log line and to
@@ -87,6 +80,9 @@ class Qwen35MetricsProcessor(MetricsProcessor):
             global_batch = training.local_batch_size * batch_degree
         self.microbatches_per_step = global_batch // (training.local_batch_size * batch_degree)
         TRAINING_DOCUMENTS.take()  # nothing counted before this trainer belongs to it
+        # (start time, steps before it) of this process's first step: `start_progress`.
+        self.progress_start: tuple[float, int] | None = None
+        self.last_logged_step = 0
 
     def documents_per_step(self) -> float:
         documents, batches = TRAINING_DOCUMENTS.take()
@@ -97,6 +93,19 @@ class Qwen35MetricsProcessor(MetricsProcessor):
         steps = batches / self.microbatches_per_step
         return documents / steps if steps else 0.0
 
+    def should_log(self, step: int) -> bool:
+        # Also this process's first step (a resumed run's too) and the last step, so that a
+        # run shorter than log_freq still shows where it started and ended.
+        first_step = (self.progress_start[1] if self.progress_start else 0) + 1
+        return super().should_log(step) or step in (first_step, self.job_config.training.steps)
+
+    def start_progress(self, steps_done: int) -> None:
+        """Start the elapsed-time clock as the first step of this process begins (after a
+        resume, `steps_done` steps precede it); the first interval then excludes start-up."""
+        self.progress_start = (time.perf_counter(), steps_done)
+        self.time_last_log = self.progress_start[0]
+        self.last_logged_step = steps_done
+
     def log(
         self,
         step: int,
@@ -105,18 +114,80 @@ class Qwen35MetricsProcessor(MetricsProcessor):
         grad_norm: float,
         extra_metrics: dict[str, Any] | None = None,
     ):
-        flops_per_token = self.num_flops_per_token
-        self.num_flops_per_token = self._documents_flops_per_token(TRAINING_DOCUMENTS)
+        """torchtitan's metrics (components/metrics.py:396-475) with the documents per step and
+        their FLOPs, MFU only where the device's peak is known, and a log line that also says
+        how far the run is, how long it has taken and how long it still needs."""
+        flops_per_token = self._documents_flops_per_token(TRAINING_DOCUMENTS)
         documents = self.documents_per_step()
-        extra_metrics = {**(extra_metrics or {}), DOCUMENTS_METRIC: documents}
-        shown = f"{documents:,.0f}" if documents == int(documents) else f"{documents:,.1f}"
+        time_delta = time.perf_counter() - self.time_last_log
+        steps_in_interval = max(step - self.last_logged_step, 1)
+        tps = self.ntokens_since_last_log / (time_delta * self.parallel_dims.non_data_parallel_size)
+        tflops = flops_per_token * tps / 1e12
+        memory = self.device_memory_monitor.get_peak_stats()
+        metrics = {
+            "loss_metrics/global_avg_loss": global_avg_loss,
+            "loss_metrics/global_max_loss": global_max_loss,
+            "grad_norm": grad_norm,
+            "throughput(tps)": tps,
+            "tflops": tflops,
+            "time_metrics/end_to_end(s)": time_delta / steps_in_interval,
+            "time_metrics/data_loading(s)": _mean(self.data_loading_times),
+            "time_metrics/data_loading(%)": 100 * sum(self.data_loading_times) / time_delta,
+            "memory/max_active(GiB)": memory.max_active_gib,
+            "memory/max_active(%)": memory.max_active_pct,
+            "memory/max_reserved(GiB)": memory.max_reserved_gib,
+            "memory/max_reserved(%)": memory.max_reserved_pct,
+            "memory/num_alloc_retries": memory.num_alloc_retries,
+            "memory/num_ooms": memory.num_ooms,
+            **(extra_metrics or {}),
+            DOCUMENTS_METRIC: documents,
+        }
+        if self.peak_flops_known:
+            metrics["mfu(%)"] = 100 * flops_per_token * tps / self.gpu_peak_flops
+        self.logger.log(metrics, step)
+        logger.info(self._step_line(step, metrics))
+        self.ntokens_since_last_log = 0
+        self.data_loading_times.clear()
+        self.time_last_log = time.perf_counter()
+        self.last_logged_step = step
+        self.device_memory_monitor.reset_peak_stats()
+
+    @property
+    def peak_flops_known(self) -> bool:
+        # titan_gdn.cpu answers NaN for a CPU: no peak, so no MFU.
+        return math.isfinite(self.gpu_peak_flops)
+
+    def _step_line(self, step: int, metrics: dict[str, Any]) -> str:
+        """torchtitan's step line, whose head (`step: N  loss: X ... tps: T`) log readers
+        parse, then the documents and the progress."""
         color = self.color
-        self.color = _ColorWithSuffix(color, f"  {color.yellow}docs: {shown}")
-        try:
-            super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
-        finally:
-            self.color = color
-            self.num_flops_per_token = flops_per_token
+        documents = metrics[DOCUMENTS_METRIC]
+        shown = f"{documents:,.0f}" if documents == int(documents) else f"{documents:,.1f}"
+        line = (
+            f"{color.red}step: {step:2}  "
+            f"{color.green}loss: {metrics['loss_metrics/global_avg_loss']:8.5f}  "
+            f"{color.orange}grad_norm: {metrics['grad_norm']:7.4f}  "
+            f"{color.turquoise}memory: {metrics['memory/max_reserved(GiB)']:5.2f}GiB"
+            f"({metrics['memory/max_reserved(%)']:.2f}%)  "
+            f"{color.blue}tps: {round(metrics['throughput(tps)']):,}  "
+        )
+        if self.peak_flops_known:
+            line += (
+                f"{color.cyan}tflops: {metrics['tflops']:,.2f}  "
+                f"{color.magenta}mfu: {metrics['mfu(%)']:.2f}%  "
+            )
+        return (
+            line + f"{color.yellow}docs: {shown}  {color.white}{self._progress(step)}{color.reset}"
+        )
+
+    def _progress(self, step: int) -> str:
+        """`progress: N/total  elapsed: m:ss  eta: m:ss`, the ETA from this process's pace."""
+        total = self.job_config.training.steps
+        start, steps_done = self.progress_start or (self.time_last_log, 0)
+        elapsed = time.perf_counter() - start
+        pace = elapsed / max(step - steps_done, 1)
+        eta = pace * max(total - step, 0)
+        return f"progress: {step}/{total}  elapsed: {_clock(elapsed)}  eta: {_clock(eta)}"
 
     def _documents_flops_per_token(self, tally: DocumentTally) -> float:
         """The trainer's FLOPs per token (one document per row) with the attention term of the
@@ -130,6 +201,17 @@ class Qwen35MetricsProcessor(MetricsProcessor):
             - attention_flops_per_token(self.model_args, one_document)
             + attention_flops_per_token(self.model_args, pairs_per_token)
         )
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _clock(seconds: float) -> str:
+    """h:mm:ss, or m:ss under an hour."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02}:{secs:02}" if hours else f"{minutes}:{secs:02}"
 
 
 def build_qwen3_5_metrics_processor(

@@ -1,22 +1,65 @@
 """torchtitan's Trainer with this model's batch preparation and a loadable HF export, and the
 guards of a long run: the whole config checked before anything is built, token ids checked
-against the vocabulary, NaN/inf losses stopped (or skipped) before the optimizer step."""
+against the vocabulary, NaN/inf losses stopped (or skipped) before the optimizer step. Its
+console shows what a user acts on (`QuietConsole`), and a run can end with a sample of text
+from the trained model (`[sample]`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import os
 from typing import Any
 
 import torch
+from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from titan_gdn.data.vocab_check import check_token_ids
+from titan_gdn.generate import encode_prompt, generate, render
 from titan_gdn.job_config import setting
 from titan_gdn.loss_guard import NonFiniteLossGuard
 from titan_gdn.model import Qwen35Model
 from titan_gdn.parallel.context_parallel import shard_sequence
 from titan_gdn.train_spec import TRAIN_SPEC_NAME
 from titan_gdn.validation import latest_complete_checkpoint, validate_job_config
+
+MODEL_ARGS_FILE = "model_args.json"
+
+
+class QuietConsole(logging.Filter):
+    """Drops or shortens torchtitan's start-up records that tell a user nothing to act on:
+    the version line, the model arguments as 40 lines of JSON (written to
+    `job.dump_folder`/model_args.json instead), the missing safetensors index that only an HF
+    export would use, and, on CPU, the peak FLOPS (there is none) and the NCCL error-handling
+    variable (gloo does not read it). Installed on torchtitan's (root) logger by
+    titan_gdn.train; the trainer tells it what the run writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hf_export = False
+        self.on_cpu = False
+        self.model_args_path = MODEL_ARGS_FILE
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("torchtitan version:"):
+            return False
+        if message.startswith("model.safetensors.index.json not found"):
+            return self.hf_export
+        if message == "Peak FLOPS used for computing MFU: nan":
+            return False
+        if self.on_cpu and message.startswith("ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING]"):
+            return False
+        if message.startswith("Building ") and "with {" in message:
+            # torchtitan's train.py:143 joins the flavor and "with" without a space.
+            head = message.split("with {", 1)[0]
+            record.msg, record.args = f"{head} (model args: {self.model_args_path})", None
+        return True
+
+
+QUIET_CONSOLE = QuietConsole()
 
 
 def prepare_batch(model, tokenizer, parallel_dims, input_dict, labels):
@@ -45,7 +88,12 @@ class Qwen35Trainer(Trainer):
         # bad setting costs seconds, and every problem is reported at once.
         if job_config.model.name == TRAIN_SPEC_NAME:
             validate_job_config(job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        checkpoint = job_config.checkpoint
+        QUIET_CONSOLE.hf_export = checkpoint.enable and checkpoint.last_save_in_hf
+        QUIET_CONSOLE.model_args_path = os.path.join(job_config.job.dump_folder, MODEL_ARGS_FILE)
         super().__init__(job_config)
+        self._write_model_args(QUIET_CONSOLE.model_args_path)
+        self._progress_started = False
         self.loss_fn = self._guarded_loss_fn(self.loss_fn)
         self.loss_guard = NonFiniteLossGuard(
             max_skips=setting(job_config, "training", "skip_nonfinite_loss_steps"),
@@ -53,6 +101,13 @@ class Qwen35Trainer(Trainer):
                 latest_complete_checkpoint(job_config) if job_config.checkpoint.enable else None
             ),
         )
+
+    def _write_model_args(self, path: str) -> None:
+        if _rank() != 0 or not dataclasses.is_dataclass(self.model_args):
+            return
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as file:
+            json.dump(dataclasses.asdict(self.model_args), file, indent=2, default=str)
 
     def batch_generator(self, data_iterable):
         return super().batch_generator(self._checked_token_ids(data_iterable))
@@ -66,6 +121,13 @@ class Qwen35Trainer(Trainer):
                     input_dict["input"], labels, vocab_size, model.flavor, model.hf_assets_path
                 )
             yield input_dict, labels
+
+    def train_step(self, data_iterator) -> None:
+        start_progress = getattr(self.metrics_processor, "start_progress", None)
+        if start_progress is not None and not self._progress_started:
+            self._progress_started = True
+            start_progress(self.step - 1)  # train() has already counted this step
+        super().train_step(data_iterator)
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
         self._global_valid_tokens = global_valid_tokens
@@ -101,6 +163,39 @@ class Qwen35Trainer(Trainer):
     def train(self) -> None:
         super().train()
         self.complete_hf_export()
+        self.print_sample()
+
+    def print_sample(self) -> None:
+        """`[sample] prompt`'s continuation by the model as trained, printed to stdout (as
+        `python -m titan_gdn.generate` would print it from the last checkpoint)."""
+        if not setting(self.job_config, "sample", "prompt"):
+            return
+        sample = self.job_config.sample
+        if len(self.model_parts) != 1 or _world_size() != 1:
+            logger.info(
+                "[sample] runs in a single process; sample the checkpoint with "
+                "python -m titan_gdn.generate --checkpoint <step folder> --prompt ..."
+            )
+            return
+        model = self.model_parts[0]
+        prompt_ids = encode_prompt(self.tokenizer, sample.prompt)
+        was_training = model.training
+        model.eval()
+        try:
+            new_ids = generate(
+                model,
+                self.tokenizer,
+                prompt_ids,
+                sample.max_new_tokens,
+                temperature=sample.temperature,
+                top_k=sample.top_k,
+                seed=sample.seed,
+            )
+        finally:
+            model.train(was_training)
+        mode = "greedy" if sample.temperature == 0 else f"temperature {sample.temperature}"
+        logger.info(f"Sample after step {self.step} ({mode}, {len(new_ids)} new tokens):")
+        print(render(self.tokenizer, sample.prompt, prompt_ids, new_ids), flush=True)
 
     def complete_hf_export(self) -> None:
         """Add config.json and the tokenizer to the `checkpoint.last_save_in_hf` export.
@@ -111,8 +206,16 @@ class Qwen35Trainer(Trainer):
         checkpoint = self.job_config.checkpoint
         if not (checkpoint.enable and checkpoint.last_save_in_hf):
             return
-        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        if _rank() != 0:
             return
         folder = os.path.join(self.checkpointer.folder, f"step-{self.step}")
         if os.path.isfile(os.path.join(folder, "model.safetensors.index.json")):
             self.checkpointer.sd_adapter.save_hf_metadata(folder, checkpoint.export_dtype)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
