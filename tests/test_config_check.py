@@ -117,8 +117,8 @@ def test_every_shipped_config_passes(config):
 
 def test_training_with_a_typo_stops_before_it_starts(tmp_path):
     shipped = (REPO / "train_configs" / "debug_model.toml").read_text()
-    assert "\nseq_len = 256\n" in shipped
-    path = _toml(tmp_path, shipped.replace("\nseq_len = 256\n", "\nseq_lenn = 256\n"))
+    assert "\nseq_len = 128\n" in shipped
+    path = _toml(tmp_path, shipped.replace("\nseq_len = 128\n", "\nseq_lenn = 128\n"))
     dump = tmp_path / "dump"
     command = [sys.executable, "-m", "titan_gdn.train", "--job.config_file", path]
     command += ["--job.dump_folder", str(dump)]

@@ -327,7 +327,10 @@ def test_checkpoint_settings_that_torchtitan_would_trip_over_late(tmp_path):
             f"'{hf_folder}' has no *.safetensors",
         ],
     )
-    disabled = _job_config("--checkpoint.initial_load_path", str(hf_folder))
+    # The debug config checkpoints its last step; here checkpointing is off.
+    disabled = _job_config(
+        "--checkpoint.no-enable", "--checkpoint.initial_load_path", str(hf_folder)
+    )
     ignored = f"checkpoint.initial_load_path = '{hf_folder}' has no effect while checkpoint"
     _one_problem_per_fragment(_problems(disabled), [ignored])
 

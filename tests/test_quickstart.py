@@ -1,0 +1,115 @@
+"""The quickstart as the README gives it: `./run_train.sh`, no arguments, on CPU.
+
+It runs in a temporary copy of the checkout (run_train.sh, titan_gdn, assets, train_configs),
+so that it writes that copy's outputs/debug_model as a user's first run would, and neither
+reads nor overwrites the checkout's own outputs/. Then the run's checkpoint is sampled with
+`python -m titan_gdn.generate` and resumed for two more steps.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+COPIED = ("run_train.sh", "titan_gdn", "assets", "train_configs")
+STEP_LINE = re.compile(
+    r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s.*docs: [0-9.,]+  "
+    r"progress: (\d+)/(\d+)  elapsed: (\d+:\d\d)  eta: (\d+:\d\d)$"
+)
+NOISE = ("lspci", "Peak flops", "Peak FLOPS", "safetensors.index.json", "torchtitan version")
+STEPS, LOG_FREQ, PROMPT = 60, 10, "ROMEO:"
+
+pytestmark = pytest.mark.skipif(
+    torch.accelerator.is_available(), reason="the CPU quickstart; GPU runs live in tests/gpu"
+)
+
+
+def _run(command: list[str], cwd: Path) -> tuple[int, str]:
+    # PYTHONPATH unset: run_train.sh puts its own folder (the copy) first, as for a user.
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory) -> tuple[Path, str]:
+    checkout = tmp_path_factory.mktemp("quickstart")
+    for name in COPIED:
+        source = REPO / name
+        if source.is_dir():
+            shutil.copytree(source, checkout / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, checkout / name)
+    code, output = _run(["./run_train.sh"], checkout)
+    assert code == 0, output[-6000:]
+    return checkout, output
+
+
+def _steps(output: str) -> dict[int, tuple[float, str]]:
+    """{step: (loss, the whole line)} from the step lines."""
+    steps = {}
+    for line in output.splitlines():
+        match = STEP_LINE.search(line)
+        if match:
+            step, loss, progress_step, total = match.group(1, 2, 3, 4)
+            assert (int(progress_step), int(total)) == (int(step), STEPS), line
+            steps[int(step)] = (float(loss), line)
+    return steps
+
+
+def test_the_loss_falls_on_lines_with_progress_elapsed_and_eta(quickstart):
+    _, output = quickstart
+    steps = _steps(output)
+    # The first step, every log_freq steps, and the last.
+    assert sorted(steps) == [1, *range(LOG_FREQ, STEPS + 1, LOG_FREQ)], output[-6000:]
+    first, last = steps[1][0], steps[STEPS][0]
+    assert last < first - 1.5, (first, last)
+    assert steps[STEPS][1].endswith("eta: 0:00"), steps[STEPS][1]
+
+
+def test_a_readable_sample_is_printed(quickstart):
+    _, output = quickstart
+    lines = output.splitlines()
+    heading = next(i for i, line in enumerate(lines) if f"Sample after step {STEPS}" in line)
+    sample = lines[heading + 1].split("]:", 1)[-1]  # after torchrun's "[rank0]:" prefix
+    assert sample.startswith(PROMPT), lines[heading : heading + 5]
+    words = " ".join(lines[heading + 1 : heading + 20]).split()
+    assert len(words) > 10, lines[heading : heading + 20]  # whitespace survives the tokenizer
+
+
+def test_the_console_has_no_trace_warnings_or_colors(quickstart):
+    _, output = quickstart
+    assert not [line for line in output.splitlines() if line.startswith("+ ")]  # no `set -x`
+    for noise in NOISE:
+        assert noise not in output, noise
+    assert "\x1b[" not in output
+    assert '"vocab_size"' not in output  # the model args are in model_args.json instead
+
+
+def test_the_last_step_checkpoint_samples_and_resumes(quickstart):
+    checkout, _ = quickstart
+    step_folder = checkout / "outputs" / "debug_model" / "checkpoint" / f"step-{STEPS}"
+    assert (step_folder / ".metadata").is_file()
+    assert (checkout / "outputs" / "debug_model" / "model_args.json").is_file()
+
+    command = [sys.executable, "-m", "titan_gdn.generate", "--checkpoint", str(step_folder)]
+    code, output = _run([*command, "--prompt", PROMPT, "--max-new-tokens", "20"], checkout)
+    assert code == 0, output[-3000:]
+    assert output.startswith(PROMPT), output[-3000:]
+
+    code, output = _run(["./run_train.sh", "--training.steps", str(STEPS + 2)], checkout)
+    assert code == 0, output[-6000:]
+    assert f"Training starts at step {STEPS + 1}" in output, output[-6000:]
+    assert sorted(_resumed_steps(output)) == [STEPS + 1, STEPS + 2], output[-6000:]
+
+
+def _resumed_steps(output: str) -> list[int]:
+    return [int(m.group(1)) for m in re.finditer(r"step:\s*(\d+)\s+loss:.*progress: ", output)]
