@@ -2,7 +2,7 @@
 
 The scripts themselves are measured on GPUs; here they run the debug model at a tiny length
 (gloo, 1 and 2 processes) so that a change to the model, the trainer's step or the scripts that
-breaks them shows before a GPU session does. No timing is asserted.
+breaks them shows before a GPU run does. No timing is asserted.
 """
 
 import json
