@@ -14,6 +14,7 @@ from titan_gdn.model import DocumentBoundaries, qwen3_5_args
 from titan_gdn.model.args import job_config_problems
 from titan_gdn.parallel.context_parallel import context_parallel_problems
 from titan_gdn.parallel.parallelize import parallelize_qwen3_5
+from titan_gdn.validation import configuration_problems
 
 EOS = 0
 SEQ_LEN = 192
@@ -112,5 +113,8 @@ def test_bad_degrees_name_the_setting():
     job.validation.enable = True
     problems = " ".join(job_config_problems(args, job))
     assert "training.seq_len = 100 is not divisible by" in problems
-    assert "linear_num_key_heads = 4" in problems
     assert "validation.enable = true is not supported yet" in problems
+    # The heads' split is the parallel package's rule; the whole-config check adds it.
+    problems = " ".join(configuration_problems(job, world_size=3))
+    assert "linear_num_key_heads = 4" in problems
+    assert "training.seq_len = 100 is not divisible by" in problems
