@@ -246,6 +246,22 @@ def test_vocabulary_gemms_run_in_autocasts_dtype_with_fp32_parameters():
     assert model.output.weight.grad.abs().sum() > 0
 
 
+def test_residual_stream_runs_in_autocasts_dtype_with_fp32_parameters():
+    """Under autocast every block's input and output is bf16, as under FSDP's bf16 policy:
+    one GPU trains with FSDP's numerics, and full checkpointing saves bf16 block inputs."""
+    model = _debug_model(tied=False)
+    inputs, _ = _batch()
+    seen = []
+    for block in model.layers.values():
+        block.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(inputs, attention_masks=DocumentBoundaries.from_tokens(inputs, EOS))
+    assert len(seen) == len(model.layers)
+    assert set(seen) == {(torch.bfloat16, torch.bfloat16)}, seen
+    model(inputs)  # without autocast the fp32 model stays fp32
+    assert set(seen[len(model.layers) :]) == {(torch.float32, torch.float32)}
+
+
 def _check_fsdp_gemms(rank, world_size):
     job = _job_config("default")
     job.training.mixed_precision_param = "bfloat16"

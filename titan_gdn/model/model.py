@@ -105,7 +105,7 @@ class Qwen35Model(ModelProtocol):
         docs = attention_masks
         if docs is None:
             docs = DocumentBoundaries.whole_rows(*tokens.shape, device=tokens.device)
-        h = self.tok_embeddings(tokens)
+        h = _in_autocast_dtype(self.tok_embeddings(tokens))
         args = self.model_args
         rope = rope_cos_sin(docs.position_ids, args.rotary_dim, args.rope_theta, h.dtype)
         for layer in self.layers.values():
@@ -117,3 +117,15 @@ class Qwen35Model(ModelProtocol):
             # between sharded and unsharded parameters, and the loss must see the live one.
             return OutputHidden(h, self.output, chunk_tokens)
         return self.output(h)
+
+
+def _in_autocast_dtype(h: torch.Tensor) -> torch.Tensor:
+    """The residual stream in autocast's dtype where autocast is on (one GPU: fp32 parameters).
+
+    Under FSDP's policy the embeddings come out in bf16 and so does every block's residual;
+    autocast alone would carry it in fp32, so one GPU would train with other numerics than
+    FSDP, and full checkpointing would save every block's input at twice the size (36 GiB more
+    at 786k tokens for 0.8B: the difference between fitting on one H200 and not).
+    """
+    device = h.device.type
+    return h.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else h
