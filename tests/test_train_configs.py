@@ -14,6 +14,8 @@ GPU_CONFIGS = {
     "qwen3_5_2b.toml": ("2B", 1, 32768, "none"),
     "qwen3_5_0.8b_cp2.toml": ("0.8B", 2, 32768, "full"),
     "qwen3_5_2b_cp2.toml": ("2B", 2, 32768, "full"),
+    "qwen3_5_0.8b_786k.toml": ("0.8B", 1, 786432, "full"),
+    "qwen3_5_2b_448k.toml": ("2B", 1, 458752, "full"),
 }
 
 
@@ -50,6 +52,7 @@ def test_gpu_config_parses_and_passes_the_checks(name, monkeypatch):
     args = copy.deepcopy(qwen3_5_args[flavor])
     args.update_from_config(job, tokenizer=HuggingFaceTokenizer(job.model.hf_assets_path))
     assert context_parallel_problems(args, cp) == []
+    assert args.max_seq_len >= seq_len  # past the published length: the config raises it
     if cp > 1:
         # "none" in the TOML (it has no null) becomes torchtitan's None: tokens keep their order.
         assert job.parallelism.context_parallel_load_balancer is None
