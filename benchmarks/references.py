@@ -132,24 +132,26 @@ def _transformers_model(model_args, rt: Runtime, checkpointing: bool):
     return model
 
 
-def transformers_qwen3_5_module(torch_path: bool):
-    """transformers' Qwen3.5 modeling module; with `torch_path`, imported with FLA hidden."""
+def transformers_qwen3_5_module(torch_path: bool, family: str = "qwen3_5"):
+    """transformers' modeling module of `family` (qwen3_5, qwen3_5_moe, qwen3_next); with
+    `torch_path`, imported with FLA hidden."""
+    name = f"transformers.models.{family}.modeling_{family}"
     if not torch_path:
-        from transformers.models.qwen3_5 import modeling_qwen3_5
-
-        return modeling_qwen3_5
+        return importlib.import_module(name)
     # transformers binds FLA's kernels at import whenever fla imports, but they need CUDA: on
-    # CPU import the module with fla hidden, so it takes its torch path.
+    # CPU import the module with fla hidden, so it takes its torch path. The MoE modules import
+    # Qwen3.5's and Qwen3-Next's, so those are imported again too.
     hidden = {
-        name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "fla"
+        module: sys.modules.pop(module)
+        for module in list(sys.modules)
+        if module.split(".")[0] == "fla"
     }
-    for name in [n for n in sys.modules if n.startswith("transformers.models.qwen3_5")]:
-        del sys.modules[name]
+    families = ("transformers.models.qwen3_5", "transformers.models.qwen3_next")
+    for stale in [n for n in sys.modules if n.startswith(families)]:
+        del sys.modules[stale]
     sys.modules["fla"] = None
     try:
-        from transformers.models.qwen3_5 import modeling_qwen3_5
-
-        return modeling_qwen3_5
+        return importlib.import_module(name)
     finally:
         del sys.modules["fla"]
         sys.modules.update(hidden)
