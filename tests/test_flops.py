@@ -89,7 +89,8 @@ def test_mfu_of_an_moe_model_counts_the_active_experts_only():
     per_expert = sum(p[0].numel() for p in model.layers["1"].mlp.experts.parameters())
     unused = (args.num_experts - args.num_experts_per_tok) * per_expert * 3  # layers 1-3
     total = sum(p.numel() for p in model.parameters())
-    matmul = total - args.vocab_size * args.dim - unused  # untied: the lookup is no matmul
+    assert args.enable_weight_tying  # the head's weight, counted once in total, is a matmul
+    matmul = total - unused
     nparams, flops = count_params_and_flops(args, model, 256)
     mixing = delta_rule_flops_per_token(args) + attention_flops_per_token(args, (256 + 1) / 2)
     assert nparams == total
