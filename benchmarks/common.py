@@ -239,6 +239,8 @@ SHIPPED_CONFIGS = {
     "debugmodel": "debug_model.toml",
     "0.8B": "qwen3_5_0.8b.toml",
     "2B": "qwen3_5_2b.toml",
+    "debugmoe": "debug_moe.toml",
+    "35B-A3B-4layers": "qwen3_5_35b_a3b_4layers.toml",
 }
 BENCHMARK_DUMP_FOLDER = REPO_ROOT / "outputs" / "benchmarks"
 

@@ -94,7 +94,7 @@ def transformers_reference(
         }
 
     record = {
-        "model": "transformers Qwen3_5ForCausalLM",
+        "model": f"transformers {TRANSFORMERS_CLASSES[model_args.hf_model_type][2]}",
         "gradient_checkpointing": checkpointing,
         "delta_rule": "fla" if rt.cuda and _installed("fla") else "torch",
         "conv": "causal_conv1d" if rt.cuda and _installed("causal_conv1d") else "torch",
@@ -103,13 +103,23 @@ def transformers_reference(
     return {**record, **_guarded_locally(rt, work)}
 
 
-def _transformers_model(model_args, rt: Runtime, checkpointing: bool):
-    modeling = transformers_qwen3_5_module(torch_path=not rt.cuda)
-    from transformers import Qwen3_5TextConfig
+# The transformers (family, config class, model class) of each `hf_model_type`; the MoE
+# models run their experts as transformers ships them (its default experts implementation).
+TRANSFORMERS_CLASSES = {
+    "qwen3_5_text": ("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "qwen3_next": ("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM"),
+}
 
+
+def _transformers_model(model_args, rt: Runtime, checkpointing: bool):
+    import transformers
+
+    family, config_class, model_class = TRANSFORMERS_CLASSES[model_args.hf_model_type]
+    modeling = transformers_qwen3_5_module(torch_path=not rt.cuda, family=family)
     fields = model_args.to_hf_config()
     fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures")}
-    config = Qwen3_5TextConfig(**fields)
+    config = getattr(transformers, config_class)(**fields)
     config._attn_implementation = "sdpa"
     config.use_cache = False
     if rt.cuda:
@@ -123,7 +133,7 @@ def _transformers_model(model_args, rt: Runtime, checkpointing: bool):
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(rt.device):
-            model = modeling.Qwen3_5ForCausalLM(config)
+            model = getattr(modeling, model_class)(config)
     finally:
         torch.set_default_dtype(previous)
     model.to(torch.bfloat16).train()
@@ -132,24 +142,26 @@ def _transformers_model(model_args, rt: Runtime, checkpointing: bool):
     return model
 
 
-def transformers_qwen3_5_module(torch_path: bool):
-    """transformers' Qwen3.5 modeling module; with `torch_path`, imported with FLA hidden."""
+def transformers_qwen3_5_module(torch_path: bool, family: str = "qwen3_5"):
+    """transformers' modeling module of `family` (qwen3_5, qwen3_5_moe, qwen3_next); with
+    `torch_path`, imported with FLA hidden."""
+    name = f"transformers.models.{family}.modeling_{family}"
     if not torch_path:
-        from transformers.models.qwen3_5 import modeling_qwen3_5
-
-        return modeling_qwen3_5
+        return importlib.import_module(name)
     # transformers binds FLA's kernels at import whenever fla imports, but they need CUDA: on
-    # CPU import the module with fla hidden, so it takes its torch path.
+    # CPU import the module with fla hidden, so it takes its torch path. The MoE modules import
+    # Qwen3.5's and Qwen3-Next's, so those are imported again too.
     hidden = {
-        name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "fla"
+        module: sys.modules.pop(module)
+        for module in list(sys.modules)
+        if module.split(".")[0] == "fla"
     }
-    for name in [n for n in sys.modules if n.startswith("transformers.models.qwen3_5")]:
-        del sys.modules[name]
+    families = ("transformers.models.qwen3_5", "transformers.models.qwen3_next")
+    for stale in [n for n in sys.modules if n.startswith(families)]:
+        del sys.modules[stale]
     sys.modules["fla"] = None
     try:
-        from transformers.models.qwen3_5 import modeling_qwen3_5
-
-        return modeling_qwen3_5
+        return importlib.import_module(name)
     finally:
         del sys.modules["fla"]
         sys.modules.update(hidden)

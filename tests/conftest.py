@@ -22,13 +22,13 @@ def perturb_norms_and_gates(model: torch.nn.Module, scale: float = 0.3) -> None:
                 param.add_(scale * torch.randn_like(param))
 
 
-def perturbed_debug_model(**overrides):
-    """The debug flavor (with `overrides` of its args), initialised from seed 0, with norms and
-    gates moved off their init."""
+def perturbed_debug_model(flavor: str = "debugmodel", **overrides):
+    """The debug flavor (or `flavor`, with `overrides` of its args), initialised from seed 0,
+    with norms and gates moved off their init."""
     from titan_gdn.model import Qwen35Model, qwen3_5_args
 
     torch.manual_seed(0)
-    args = copy.deepcopy(qwen3_5_args["debugmodel"])
+    args = copy.deepcopy(qwen3_5_args[flavor])
     for name, value in overrides.items():
         setattr(args, name, value)
     model = Qwen35Model(args)

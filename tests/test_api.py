@@ -13,7 +13,9 @@ def test_import_registers_the_train_spec():
 
     spec = get_train_spec("qwen3_5")
     assert spec.model_cls is Qwen35Model
-    assert set(spec.model_args) == {"debugmodel", "0.8B", "2B", "4B", "9B", "27B", "from_hf_config"}
+    dense = {"debugmodel", "0.8B", "2B", "4B", "9B", "27B"}
+    moe = {"debugmoe", "35B-A3B", "3.6-35B-A3B", "122B-A10B", "397B-A17B", "35B-A3B-4layers"}
+    assert set(spec.model_args) == dense | moe | {"from_hf_config"}
     adapter = spec.state_dict_adapter(spec.model_args["debugmodel"], None)
     assert hasattr(adapter, "from_hf") and hasattr(adapter, "to_hf")
 

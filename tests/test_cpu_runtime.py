@@ -196,7 +196,6 @@ def test_use_cpu_if_no_accelerator_is_a_no_op_with_an_accelerator():
     [
         ({"tp": 2}, "parallelism.tensor_parallel_degree"),
         ({"pp": 2}, "parallelism.pipeline_parallel_degree"),
-        ({"ep": 2}, "parallelism.expert_parallel_degree"),
         ({"dp_replicate": 2}, "parallelism.data_parallel_replicate_degree"),
     ],
 )
@@ -208,8 +207,6 @@ def test_parallelize_rejects_unsupported_parallelism(degrees: dict[str, int], se
 
     sizes = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1, "etp": 1}
     sizes.update(degrees)
-    if "ep" in degrees:  # torchtitan requires EP to divide dp_shard x cp
-        sizes["dp_shard"] = 2
     dims = ParallelDims(**sizes, world_size=max(sizes.values()))
     with pytest.raises(ValueError, match=re.escape(setting)):
         parallelize_qwen3_5(nn.Module(), dims, JobConfig())

@@ -5,7 +5,11 @@ import torch
 from titan_gdn.data.loader import causal_pairs
 from titan_gdn.metrics import DocumentTally, Qwen35MetricsProcessor
 from titan_gdn.model import Qwen35Model, qwen3_5_args
-from titan_gdn.model.flops import attention_flops_per_token, count_params_and_flops
+from titan_gdn.model.flops import (
+    attention_flops_per_token,
+    count_params_and_flops,
+    delta_rule_flops_per_token,
+)
 
 EOS = 0
 
@@ -53,3 +57,41 @@ def test_mfu_uses_the_attention_of_the_trained_documents():
     )
     assert saved > 0
     assert processor._documents_flops_per_token(packed) == trainer_count - saved
+
+
+# Published totals and activated parameters of the Qwen3.5 MoE model cards. The totals include
+# the vision encoder, which the text model lacks (under 1%); the activated figures are rounded
+# to the billion, so the count must round to them.
+PUBLISHED_MOE = {"35B-A3B": (35e9, 3e9), "122B-A10B": (122e9, 10e9), "397B-A17B": (397e9, 17e9)}
+
+
+def test_moe_flavors_have_the_published_total_and_active_parameters():
+    from titan_gdn.model.flops import active_params
+
+    for flavor, (total, active) in PUBLISHED_MOE.items():
+        args = qwen3_5_args[flavor]
+        with torch.device("meta"):
+            model = Qwen35Model(args)
+        ours = sum(p.numel() for p in model.parameters())
+        assert abs(ours - total) <= 0.01 * total, (flavor, ours)
+        assert round(active_params(args, model) / 1e9) == active / 1e9, flavor
+
+
+def test_mfu_of_an_moe_model_counts_the_active_experts_only():
+    """The matmul term is 6 FLOPs per active weight: counted independently from the experts a
+    token runs (top-k of E) on a model with dense and MoE layers."""
+    import copy
+
+    args = copy.deepcopy(qwen3_5_args["debugmoe"])
+    args.mlp_only_layers = [0]
+    with torch.device("meta"):
+        model = Qwen35Model(args)
+    per_expert = sum(p[0].numel() for p in model.layers["1"].mlp.experts.parameters())
+    unused = (args.num_experts - args.num_experts_per_tok) * per_expert * 3  # layers 1-3
+    total = sum(p.numel() for p in model.parameters())
+    assert args.enable_weight_tying  # the head's weight, counted once in total, is a matmul
+    matmul = total - unused
+    nparams, flops = count_params_and_flops(args, model, 256)
+    mixing = delta_rule_flops_per_token(args) + attention_flops_per_token(args, (256 + 1) / 2)
+    assert nparams == total
+    assert flops == round(6 * matmul + mixing)

@@ -16,7 +16,12 @@ GPU_CONFIGS = {
     "qwen3_5_2b_cp2.toml": ("2B", 2, 32768, "full"),
     "qwen3_5_0.8b_786k.toml": ("0.8B", 1, 786432, "full"),
     "qwen3_5_2b_448k.toml": ("2B", 1, 458752, "full"),
+    # Not measured yet: the 8-GPU 35B-A3B run and the one-GPU 4-layer benchmark shape.
+    "qwen3_5_35b_a3b.toml": ("35B-A3B", 8, 131072, "full"),
+    "qwen3_5_35b_a3b_4layers.toml": ("35B-A3B-4layers", 1, 32768, "none"),
 }
+# Expert-parallel degree and the GPUs each config is for.
+EXPERT_PARALLEL = {"qwen3_5_35b_a3b.toml": (8, 8)}
 
 
 def _parse(name: str):
@@ -32,6 +37,7 @@ def test_gpu_config_parses_and_passes_the_checks(name, monkeypatch):
     import titan_gdn  # noqa: F401  (registers the TrainSpec, as custom_import does)
     from titan_gdn.model import qwen3_5_args
     from titan_gdn.parallel.context_parallel import context_parallel_problems
+    from titan_gdn.parallel.expert_parallel import expert_parallel_problems
 
     monkeypatch.chdir(REPO)  # the configs' paths are relative to the repository root
     flavor, cp, seq_len, checkpointing = GPU_CONFIGS[name]
@@ -53,6 +59,9 @@ def test_gpu_config_parses_and_passes_the_checks(name, monkeypatch):
     args.update_from_config(job, tokenizer=HuggingFaceTokenizer(job.model.hf_assets_path))
     assert context_parallel_problems(args, cp) == []
     assert args.max_seq_len >= seq_len  # past the published length: the config raises it
+    ep, gpus = EXPERT_PARALLEL.get(name, (1, 1))
+    assert job.parallelism.expert_parallel_degree == ep
+    assert expert_parallel_problems(args, ep, gpus) == []
     if cp > 1:
         # "none" in the TOML (it has no null) becomes torchtitan's None: tokens keep their order.
         assert job.parallelism.context_parallel_load_balancer is None

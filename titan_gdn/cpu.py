@@ -16,7 +16,10 @@ torchtitan decides its device once, at import (``tools/utils.py:37``), and falls
   (absent on most machines, a warning each time) and then assume an A100; NaN tells
   :mod:`titan_gdn.metrics` that no MFU can be computed;
 - drops the duplicate CPU backend that ``training.enable_cpu_offload`` requests
-  (``distributed/utils.py:333``).
+  (``distributed/utils.py:333``);
+- lets expert parallel's token permutation (``models/moe/utils.py:_permute``) take
+  ``generate_permute_indices``' CPU path, which it has but ``_permute`` never asks for (its
+  default is a Triton kernel).
 
 FSDP's ``PREMUL_SUM`` gradient reduction, which gloo lacks, is avoided where FSDP is applied:
 ``titan_gdn.parallel.parallelize``.
@@ -122,6 +125,16 @@ def _skip_cpu_offload_backend(dist_utils) -> None:
     dist_utils.init_distributed = init_distributed_on_cpu
 
 
+def _permute_indices_on_cpu(moe_utils) -> None:
+    generate = moe_utils.generate_permute_indices
+
+    def generate_on_the_tensors_device(tokens_per_expert_group, *args, **kwargs):
+        kwargs.setdefault("use_cpu", tokens_per_expert_group.device.type == "cpu")
+        return generate(tokens_per_expert_group, *args, **kwargs)
+
+    moe_utils.generate_permute_indices = generate_on_the_tensors_device
+
+
 def _rebind(stale_type: str, stale_module, device_module) -> None:
     """Point every torchtitan module-level copy of the device at the CPU."""
     for name, module in list(sys.modules.items()):
@@ -158,5 +171,8 @@ def use_cpu_if_no_accelerator() -> bool:
     from torchtitan.distributed import utils as dist_utils
 
     _skip_cpu_offload_backend(dist_utils)
+    from torchtitan.models.moe import utils as moe_utils
+
+    _permute_indices_on_cpu(moe_utils)
     _CPU_ACTIVE = True
     return True

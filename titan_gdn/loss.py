@@ -1,4 +1,5 @@
-"""Cross-entropy that never materialises full-sequence logits (chunked linear + cross-entropy).
+"""Cross-entropy that never materialises full-sequence logits (chunked linear + cross-entropy),
+and the MoE models' load-balancing loss.
 
 torchtitan's trainer calls ``loss_fn(model(inputs, ...), labels)`` and never hands the model to
 the loss. So in training the model returns `OutputHidden` (final hidden states and its output
@@ -14,6 +15,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_loss
@@ -49,6 +51,75 @@ class OutputHidden:
             self.head.unshard()
             weight = self.head.weight
         return weight
+
+
+@dataclass
+class RoutedOutput:
+    """The model's `output` (logits or `OutputHidden`) and, per MoE layer, the router's
+    probabilities [N, E] (fp32) and chosen experts [N, k] for this rank's N tokens, with the
+    weight of the load-balancing loss. A dataclass, so that FSDP2 finds its tensors."""
+
+    output: torch.Tensor | OutputHidden
+    router_probs: list[torch.Tensor]
+    router_experts: list[torch.Tensor]
+    aux_loss_coef: float
+
+
+class AuxLossTally:
+    """The load-balancing loss of each micro-batch since the last log (read by the metrics)."""
+
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor] = []
+
+    def take(self) -> float | None:
+        values, self.values = self.values, []
+        return torch.stack(values).mean().item() if values else None
+
+
+ROUTER_AUX_LOSS = AuxLossTally()
+
+
+def load_balancing_loss(
+    probs: list[torch.Tensor],
+    experts: list[torch.Tensor],
+    real: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' `load_balancing_loss_func` over the real tokens (`real`, [N] bool) of
+    every rank in `group` (the ranks that share the batch: data and context parallel).
+
+    With L layers, R real token-layer rows, C_e the rows that picked expert e and P_e the sum
+    of its probabilities: aux = E * sum_e (C_e / R) (P_e / R). C is counted, not differentiated,
+    so aux is linear in each rank's probabilities: this rank's part, E / R^2 * sum_e C_e P_e^rank
+    with the global C and R, sums over the ranks to aux and gives each rank its gradient.
+    Returns (this rank's part, aux, the real tokens of all ranks); one all-reduce of 2E + 1
+    numbers.
+    """
+    num_experts, top_k = probs[0].shape[-1], experts[0].shape[-1]
+    mask = real.flatten().to(torch.float64)
+    counts = mask.new_zeros(num_experts)
+    for chosen in experts:
+        counts.scatter_add_(0, chosen.flatten(), mask.repeat_interleave(top_k))
+    prob_sums = sum((p * mask.to(p.dtype).unsqueeze(-1)).sum(0) for p in probs)
+    totals = torch.cat([counts, prob_sums.detach().double(), mask.sum().view(1)])
+    if group is not None:
+        dist.all_reduce(totals, group=group)
+    counts, all_prob_sums, tokens = totals[:num_experts], totals[num_experts:-1], totals[-1]
+    rows = tokens * len(probs)
+    scale = num_experts / rows.clamp_min(1) ** 2
+    part = scale.float() * (counts.float() * prob_sums).sum()
+    return part, (scale * (counts * all_prob_sums).sum()).float(), tokens
+
+
+def router_aux_loss_sum(pred: RoutedOutput, labels: torch.Tensor, group=None) -> torch.Tensor:
+    """coef * this rank's part of the aux loss, times the micro-batch's real tokens: the trainer
+    divides the summed loss by the step's real tokens, so each micro-batch's aux loss enters the
+    step's loss weighted by its share of the tokens (with one micro-batch: coef * aux)."""
+    part, aux, tokens = load_balancing_loss(
+        pred.router_probs, pred.router_experts, labels != IGNORE_INDEX, group
+    )
+    ROUTER_AUX_LOSS.values.append(aux.detach())
+    return pred.aux_loss_coef * part * tokens.float()
 
 
 def chunk_loss_and_grad(
@@ -150,8 +221,12 @@ def _in_compute_dtype(
     return hidden.to(dtype), weight.to(dtype)
 
 
-def qwen3_5_loss(pred, labels: torch.Tensor, *, plain=cross_entropy_loss, step=None):
-    """torchtitan's summed cross-entropy for logits, or its chunked form for `OutputHidden`."""
+def qwen3_5_loss(pred, labels: torch.Tensor, *, plain=cross_entropy_loss, step=None, group=None):
+    """torchtitan's summed cross-entropy for logits, or its chunked form for `OutputHidden`;
+    for a `RoutedOutput`, plus its load-balancing loss over the ranks of `group`."""
+    if isinstance(pred, RoutedOutput):
+        loss = qwen3_5_loss(pred.output, labels, plain=plain, step=step)
+        return loss + router_aux_loss_sum(pred, labels, group() if callable(group) else group)
     if not isinstance(pred, OutputHidden):
         return plain(pred, labels)
     return chunked_cross_entropy(
@@ -163,17 +238,27 @@ def qwen3_5_loss(pred, labels: torch.Tensor, *, plain=cross_entropy_loss, step=N
     )
 
 
-def build_qwen3_5_loss(job_config, **kwargs):
+def build_qwen3_5_loss(job_config, parallel_dims=None, **kwargs):
     """TrainSpec `build_loss_fn`: with "loss" in compile.components, the plain loss is
     compiled as torchtitan does, and the chunked loss compiles its per-chunk step (its loop
-    stays eager: unrolled, it would be a graph per sequence length)."""
+    stays eager: unrolled, it would be a graph per sequence length). The load-balancing loss
+    is reduced over torchtitan's `loss` mesh (data x context parallel)."""
     del kwargs
+    group = functools.partial(_loss_group, parallel_dims)
     if not (job_config.compile.enable and "loss" in job_config.compile.components):
-        return qwen3_5_loss
+        return functools.partial(qwen3_5_loss, group=group)
     logger.info("Compiling the loss function (per chunk for the chunked loss) with torch.compile")
     backend = job_config.compile.backend
     return functools.partial(
         qwen3_5_loss,
         plain=torch.compile(cross_entropy_loss, backend=backend),
         step=torch.compile(chunk_loss_and_grad, backend=backend),
+        group=group,
     )
+
+
+def _loss_group(parallel_dims) -> dist.ProcessGroup | None:
+    # Resolved at the first MoE loss: the meshes exist by then.
+    if parallel_dims is None or not parallel_dims.dp_cp_enabled:
+        return None
+    return parallel_dims.get_mesh("loss").get_group()

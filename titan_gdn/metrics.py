@@ -26,9 +26,13 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
+from titan_gdn.loss import ROUTER_AUX_LOSS
 from titan_gdn.model.flops import attention_flops_per_token, one_document_pairs_per_token
 
 DOCUMENTS_METRIC = "documents_per_step"
+# MoE models: transformers' load-balancing loss, averaged over the micro-batches since the last
+# log (the loss above includes it, times router_aux_loss_coef).
+AUX_LOSS_METRIC = "loss_metrics/router_aux_loss"
 
 
 class DocumentTally:
@@ -80,6 +84,7 @@ class Qwen35MetricsProcessor(MetricsProcessor):
             global_batch = training.local_batch_size * batch_degree
         self.microbatches_per_step = global_batch // (training.local_batch_size * batch_degree)
         TRAINING_DOCUMENTS.take()  # nothing counted before this trainer belongs to it
+        ROUTER_AUX_LOSS.take()
         # (start time, steps before it) of this process's first step: `start_progress`.
         self.progress_start: tuple[float, int] | None = None
         self.last_logged_step = 0
@@ -144,6 +149,9 @@ class Qwen35MetricsProcessor(MetricsProcessor):
         }
         if self.peak_flops_known:
             metrics["mfu(%)"] = 100 * flops_per_token * tps / self.gpu_peak_flops
+        aux_loss = ROUTER_AUX_LOSS.take()
+        if aux_loss is not None:
+            metrics[AUX_LOSS_METRIC] = aux_loss
         self.logger.log(metrics, step)
         logger.info(self._step_line(step, metrics))
         self.ntokens_since_last_log = 0
@@ -167,6 +175,10 @@ class Qwen35MetricsProcessor(MetricsProcessor):
             f"{color.red}step: {step:2}  "
             f"{color.green}loss: {metrics['loss_metrics/global_avg_loss']:8.5f}  "
             f"{color.orange}grad_norm: {metrics['grad_norm']:7.4f}  "
+        )
+        if AUX_LOSS_METRIC in metrics:  # after the head that log readers parse
+            line += f"{color.green}aux_loss: {metrics[AUX_LOSS_METRIC]:.4f}  "
+        line += (
             f"{color.turquoise}memory: {metrics['memory/max_reserved(GiB)']:5.2f}GiB"
             f"({metrics['memory/max_reserved(%)']:.2f}%)  "
             f"{color.blue}tps: {round(metrics['throughput(tps)']):,}  "

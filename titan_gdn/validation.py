@@ -4,9 +4,9 @@
 the model exist, and reports every problem it finds at once (model args x parallelism x data x
 checkpoint), each naming the setting and a fix. It gathers the checks that live next to what
 they protect (`job_config_problems` in model/args.py, `context_parallel_problems`,
-`unsupported_parallelism_problems`, `build_document_source`) and adds the ones torchtitan would
-only hit later: after the model is built (parallel degrees, checkpoint paths) or at the very
-last step (an HF export without `last_save_model_only`).
+`expert_parallel_problems`, `unsupported_parallelism_problems`, `build_document_source`) and
+adds the ones torchtitan would only hit later: after the model is built (parallel degrees,
+checkpoint paths) or at the very last step (an HF export without `last_save_model_only`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def configuration_problems(job_config, world_size: int) -> list[str]:
     return [
         *_parallelism_problems(job_config.parallelism, world_size),
         *_batch_problems(job_config, world_size),
-        *_model_problems(job_config),
+        *_model_problems(job_config, world_size),
         *_data_problems(job_config),
         *_checkpoint_problems(job_config, world_size),
         *_fault_policy_problems(job_config),
@@ -173,9 +173,10 @@ def _batch_problems(job_config, world_size: int) -> list[str]:
 # Model, tokenizer, data
 
 
-def _model_problems(job_config) -> list[str]:
+def _model_problems(job_config, world_size: int = 1) -> list[str]:
     from titan_gdn.model.args import job_config_problems
     from titan_gdn.parallel.context_parallel import context_parallel_problems
+    from titan_gdn.parallel.expert_parallel import expert_parallel_problems
 
     problems = []
     try:
@@ -195,7 +196,10 @@ def _model_problems(job_config) -> list[str]:
         )
     if args is not None:
         problems += job_config_problems(args, job_config, tokenizer)
-        problems += context_parallel_problems(args, job_config.parallelism.context_parallel_degree)
+        parallelism = job_config.parallelism
+        problems += context_parallel_problems(args, parallelism.context_parallel_degree)
+        shard_x_cp = _shard_degree(parallelism, world_size) * parallelism.context_parallel_degree
+        problems += expert_parallel_problems(args, parallelism.expert_parallel_degree, shard_x_cp)
     return problems
 
 

@@ -1,11 +1,11 @@
-"""Model arguments for the Qwen3.5 hybrid text model (dense variant)."""
+"""Model arguments for the Qwen3.5 hybrid text model: dense, MoE (Qwen3.5 MoE) and Qwen3-Next."""
 
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from torch import nn
@@ -50,10 +50,27 @@ class Qwen35ModelArgs(BaseModelArgs):
     max_seq_len: int = 262144
     initializer_range: float = 0.02
 
+    # Mixture of experts (Qwen3.5 MoE, Qwen3-Next); num_experts = 0: every MLP is dense
+    # (`hidden_dim`). An MoE layer routes each token to num_experts_per_tok experts of
+    # `moe_hidden_dim` and adds a gated shared expert of `shared_expert_hidden_dim`. Qwen3-Next
+    # keeps dense MLPs in `mlp_only_layers` and in layers i with (i + 1) % decoder_sparse_step.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_hidden_dim: int = 0
+    shared_expert_hidden_dim: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    # Weight of transformers' load-balancing loss in the training loss (titan_gdn/loss.py).
+    router_aux_loss_coef: float = 0.0
+    # The transformers model type the checkpoint keys and config.json follow (HF export).
+    hf_model_type: str = "qwen3_5_text"
+
     # Kernel backends; None picks per device (FLA / flex on CUDA, pure torch on CPU).
     delta_rule_backend: str | None = None
     conv_backend: str | None = None
     attn_backend: str | None = None
+    experts_backend: str | None = None
 
     # Training loss over this many tokens at a time, never materialising full-sequence logits
     # (titan_gdn/loss.py); 0 computes the logits at once. None: chunked when the vocabulary
@@ -85,6 +102,19 @@ class Qwen35ModelArgs(BaseModelArgs):
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) has the sparse MoE block, as transformers'
+        Qwen3-Next decides it (Qwen3.5 MoE: every layer)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
     def validate(self) -> None:
         problems = []
         if len(self.layer_types) != self.n_layers:
@@ -109,8 +139,30 @@ class Qwen35ModelArgs(BaseModelArgs):
             )
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 0:
             problems.append(f"loss_chunk_tokens must be >= 0, got {self.loss_chunk_tokens}")
+        problems += self._moe_problems()
         if problems:
             raise ValueError("Invalid Qwen3.5 model args: " + "; ".join(problems))
+
+    def _moe_problems(self) -> list[str]:
+        if self.num_experts == 0:
+            return []
+        problems = []
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            problems.append(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                f"num_experts ({self.num_experts})"
+            )
+        for name in ("moe_hidden_dim", "shared_expert_hidden_dim", "decoder_sparse_step"):
+            if getattr(self, name) < 1:
+                problems.append(
+                    f"{name} must be positive for an MoE model, got {getattr(self, name)}"
+                )
+        outside = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
+        if outside:
+            problems.append(f"mlp_only_layers {outside} are not layers of 0..{self.n_layers - 1}")
+        if self.router_aux_loss_coef < 0:
+            problems.append(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        return problems
 
     def update_from_config(self, job_config, **kwargs) -> None:
         """Check the job's settings against these args; every error names the setting to fix.
@@ -139,29 +191,36 @@ class Qwen35ModelArgs(BaseModelArgs):
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], **overrides: Any) -> Qwen35ModelArgs:
-        """Args from a transformers Qwen3.5 `config.json` dict: text, or multimodal with a
-        nested `text_config`. A missing required field raises KeyError naming it."""
+        """Args from a transformers `config.json` dict of Qwen3.5 (`qwen3_5_text`), Qwen3.5 MoE
+        (`qwen3_5_moe_text`) or Qwen3-Next (`qwen3_next`): text, or multimodal with a nested
+        `text_config`; a dict without `model_type` is read as dense Qwen3.5. A missing
+        required field raises KeyError naming it; another model type, ValueError naming it."""
         text = config.get("text_config", config)
+        model_type = _hf_model_type(text.get("model_type") or config.get("model_type"))
+        required, optional = _HF_FIELDS[model_type]
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        args = {ours: text[theirs] for ours, theirs in _HF_REQUIRED.items()}
-        args.update({ours: text[theirs] for ours, theirs in _HF_OPTIONAL.items() if theirs in text})
-        for field in ("rope_theta", "partial_rotary_factor"):
-            if field in rope or field in text:
-                args[field] = rope.get(field, text.get(field))
+        args = {ours: text[theirs] for ours, theirs in required.items()}
+        args.update({ours: text[theirs] for ours, theirs in optional.items() if theirs in text})
+        for name in ("rope_theta", "partial_rotary_factor"):
+            if name in rope or name in text:
+                args[name] = rope.get(name, text.get(name))
         args["enable_weight_tying"] = text.get(
             "tie_word_embeddings", config.get("tie_word_embeddings", False)
         )
         if text.get("layer_types"):
             args["layer_types"] = list(text["layer_types"])
-        return cls(**{**args, **overrides})
+        # transformers' defaults for what an MoE config.json may leave out.
+        if model_type != DENSE:
+            args.setdefault("router_aux_loss_coef", 0.001)
+        return cls(**{**args, "hf_model_type": model_type, **overrides})
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The transformers `Qwen3_5TextConfig` fields of these args (for export)."""
-        fields_ = {**_HF_REQUIRED, **_HF_OPTIONAL}
+        """The transformers config fields of these args, for their `hf_model_type` (export)."""
+        required, optional = _HF_FIELDS[self.hf_model_type]
         return dict(
-            model_type="qwen3_5_text",
-            architectures=["Qwen3_5ForCausalLM"],
-            **{theirs: getattr(self, ours) for ours, theirs in fields_.items()},
+            model_type=self.hf_model_type,
+            architectures=[_HF_ARCHITECTURES[self.hf_model_type]],
+            **{theirs: getattr(self, ours) for ours, theirs in {**required, **optional}.items()},
             tie_word_embeddings=self.enable_weight_tying,
             rope_parameters=dict(
                 rope_type="default",
@@ -172,6 +231,33 @@ class Qwen35ModelArgs(BaseModelArgs):
             hidden_act="silu",
             attention_bias=False,
         )
+
+
+DENSE, MOE, NEXT = "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"
+# A model type (the multimodal wrappers' too) -> the text model family it holds.
+_HF_MODEL_TYPES = {
+    "qwen3_5_text": DENSE,
+    "qwen3_5": DENSE,
+    "qwen3_5_moe_text": MOE,
+    "qwen3_5_moe": MOE,
+    "qwen3_next": NEXT,
+}
+_HF_ARCHITECTURES = {
+    DENSE: "Qwen3_5ForCausalLM",
+    MOE: "Qwen3_5MoeForCausalLM",
+    NEXT: "Qwen3NextForCausalLM",
+}
+
+
+def _hf_model_type(model_type: str | None) -> str:
+    if model_type is None:
+        return DENSE
+    if model_type not in _HF_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; titan_gdn reads "
+            f"{', '.join(_HF_MODEL_TYPES)}"
+        )
+    return _HF_MODEL_TYPES[model_type]
 
 
 # Our field -> transformers' Qwen3.5 config field, both ways.
@@ -195,6 +281,28 @@ _HF_OPTIONAL = {
     "max_seq_len": "max_position_embeddings",
     "initializer_range": "initializer_range",
 }
+_HF_MOE_REQUIRED = {
+    **{ours: theirs for ours, theirs in _HF_REQUIRED.items() if ours != "hidden_dim"},
+    "num_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "moe_hidden_dim": "moe_intermediate_size",
+    "shared_expert_hidden_dim": "shared_expert_intermediate_size",
+}
+_HF_MOE_OPTIONAL = {**_HF_OPTIONAL, "router_aux_loss_coef": "router_aux_loss_coef"}
+# Qwen3-Next adds dense layers (intermediate_size) and where they are.
+_HF_NEXT_OPTIONAL = {
+    **_HF_MOE_OPTIONAL,
+    "hidden_dim": "intermediate_size",
+    "decoder_sparse_step": "decoder_sparse_step",
+    "mlp_only_layers": "mlp_only_layers",
+    "norm_topk_prob": "norm_topk_prob",
+}
+# Each family's (required, optional) fields: our field -> transformers' field, both ways.
+_HF_FIELDS = {
+    DENSE: (_HF_REQUIRED, _HF_OPTIONAL),
+    MOE: (_HF_MOE_REQUIRED, _HF_MOE_OPTIONAL),
+    NEXT: (_HF_MOE_REQUIRED, _HF_NEXT_OPTIONAL),
+}
 
 
 def _flavor(dim, n_layers, n_heads, n_kv_heads, hidden_dim, v_heads, tied) -> Qwen35ModelArgs:
@@ -209,9 +317,34 @@ def _flavor(dim, n_layers, n_heads, n_kv_heads, hidden_dim, v_heads, tied) -> Qw
     )
 
 
+def _moe_flavor(dim, n_layers, n_heads, v_heads, experts, top_k, expert_dim) -> Qwen35ModelArgs:
+    """A Qwen3.5 MoE text config: 2 KV heads, 16 GDN key heads, 248,320 tokens, untied, a
+    shared expert as wide as each routed one, every layer MoE."""
+    return Qwen35ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=2,
+        linear_num_value_heads=v_heads,
+        enable_weight_tying=False,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_hidden_dim=expert_dim,
+        shared_expert_hidden_dim=expert_dim,
+        router_aux_loss_coef=0.001,
+        hf_model_type=MOE,
+    )
+
+
 FROM_HF_CONFIG = "from_hf_config"
 # Kernel and loss choices are ours, not the checkpoint's: the from_hf_config flavor keeps them.
-_KEPT_FIELDS = ("delta_rule_backend", "conv_backend", "attn_backend", "loss_chunk_tokens")
+_KEPT_FIELDS = (
+    "delta_rule_backend",
+    "conv_backend",
+    "attn_backend",
+    "experts_backend",
+    "loss_chunk_tokens",
+)
 
 
 def job_config_problems(args: Qwen35ModelArgs, job_config, tokenizer=None) -> list[str]:
@@ -311,8 +444,8 @@ class Qwen35ArgsFromHFConfig(Qwen35ModelArgs):
                 f"model.flavor = {FROM_HF_CONFIG!r}: the config.json in model.hf_assets_path = "
                 f"{job_config.model.hf_assets_path!r} describes no valid model ({invalid})"
             ) from None
-        for field in fields(Qwen35ModelArgs):
-            setattr(self, field.name, getattr(loaded, field.name))
+        for arg in fields(Qwen35ModelArgs):
+            setattr(self, arg.name, getattr(loaded, arg.name))
 
 
 class UnknownFlavorError(KeyError):
@@ -373,6 +506,41 @@ qwen3_5_args: Mapping[str, Qwen35ModelArgs] = Qwen35Flavors(
         "4B": _flavor(2560, 32, 16, 4, 9216, 32, tied=True),
         "9B": _flavor(4096, 32, 16, 4, 12288, 32, tied=False),
         "27B": _flavor(5120, 64, 24, 4, 17408, 48, tied=False),
+        # Qwen3.5 MoE. 35B-A3B is transformers' Qwen3_5MoeTextConfig default ("Qwen3.5-35B-A3B
+        # style") and Qwen3.6-35B-A3B has the same text model; 397B-A17B's widths, layers,
+        # heads and experts agree with public training scripts for it; 122B-A10B's fields and
+        # 397B-A17B's GDN head counts could not be checked against their config.json here and
+        # were chosen to give the published totals (tests/test_flops.py checks total and
+        # active counts within 1% of 35B/3B, 122B/10B, 397B/17B).
+        "35B-A3B": _moe_flavor(2048, 40, 16, 32, experts=256, top_k=8, expert_dim=512),
+        "3.6-35B-A3B": _moe_flavor(2048, 40, 16, 32, experts=256, top_k=8, expert_dim=512),
+        "122B-A10B": _moe_flavor(3072, 48, 32, 64, experts=256, top_k=8, expert_dim=1024),
+        "397B-A17B": _moe_flavor(4096, 60, 32, 64, experts=512, top_k=10, expert_dim=1024),
+        # 35B-A3B's first 4 layers (3 GDN, 1 attention) with all 256 experts: fits one H200
+        # with its optimizer state, for benchmarks against transformers.
+        "35B-A3B-4layers": _moe_flavor(2048, 4, 16, 32, experts=256, top_k=8, expert_dim=512),
+        # The debug model with 8 experts, top-2, in every layer: trains on CPU, and 8 experts
+        # split over 2 or 4 expert-parallel ranks.
+        "debugmoe": Qwen35ModelArgs(
+            dim=256,
+            n_layers=4,
+            vocab_size=2048,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=64,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            max_seq_len=131072,
+            loss_chunk_tokens=200,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_hidden_dim=128,
+            shared_expert_hidden_dim=128,
+            router_aux_loss_coef=0.001,
+            hf_model_type=MOE,
+        ),
         FROM_HF_CONFIG: Qwen35ArgsFromHFConfig(),
     }
 )

@@ -3,7 +3,9 @@
 Per trained token, forward + backward (backward does twice the forward's matmul work, so
 every forward count is multiplied by 3):
 - matmuls: 2 FLOPs per weight that multiplies every token (all parameters but the embedding
-  lookup; a tied output head counted once). Norm weights, `A_log` and `dt_bias` are counted as
+  lookup; a tied output head counted once). In MoE layers a token meets only its top-k routed
+  experts (and the shared one, and the whole router): the other experts' weights are left out,
+  so MFU is over the active parameters. Norm weights, `A_log` and `dt_bias` are counted as
   if they were matmul weights: < 0.01% of the total.
 - attention: QK^T and PV over the causal pairs (query, key) of each document, 4 * n_heads *
   head_dim FLOPs per pair and layer. Flex attention skips the blocks the document mask
@@ -36,12 +38,25 @@ def count_params_and_flops(args, model: nn.Module, seq_len: int) -> tuple[int, i
     # The embedding lookup is no matmul; the output projection is one, also when it is tied
     # (then its weight is counted once in `nparams`, as the embedding).
     matmul_params = nparams if args.enable_weight_tying else nparams - embedding
+    matmul_params -= inactive_expert_params(args)
     per_token = (
         FORWARD_AND_BACKWARD * 2 * matmul_params
         + delta_rule_flops_per_token(args)
         + attention_flops_per_token(args, one_document_pairs_per_token(seq_len))
     )
     return nparams, round(per_token)
+
+
+def inactive_expert_params(args) -> int:
+    """Routed-expert weights one token does not use: num_experts - num_experts_per_tok experts
+    (gate, up and down) in every MoE layer."""
+    unused = args.num_experts - args.num_experts_per_tok
+    return len(args.moe_layers) * unused * 3 * args.moe_hidden_dim * args.dim
+
+
+def active_params(args, model: nn.Module) -> int:
+    """The parameters one token uses: all but the routed experts it is not sent to."""
+    return sum(p.numel() for p in model.parameters()) - inactive_expert_params(args)
 
 
 def one_document_pairs_per_token(seq_len: int) -> float:

@@ -9,23 +9,28 @@ from torchtitan.protocols.model import ModelProtocol
 from titan_gdn.layers.attention import GatedAttention
 from titan_gdn.layers.gated_deltanet import GatedDeltaNet
 from titan_gdn.layers.mlp import FeedForward
+from titan_gdn.layers.moe import SparseMoeBlock
 from titan_gdn.layers.norms import ZeroCenteredRMSNorm
 from titan_gdn.layers.rope import rope_cos_sin
-from titan_gdn.loss import OutputHidden
+from titan_gdn.loss import OutputHidden, RoutedOutput
 from titan_gdn.model.args import LINEAR_ATTENTION, Qwen35ModelArgs
 from titan_gdn.model.documents import DocumentBoundaries
 from titan_gdn.ops.attention import document_causal_block_mask, resolve_attn_backend
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, args: Qwen35ModelArgs, layer_type: str):
+    """A mixer and an MLP, each behind a pre-norm residual. With `moe`, the MLP is the sparse MoE
+    block and the block returns (hidden, router probabilities, experts) for the aux loss."""
+
+    def __init__(self, args: Qwen35ModelArgs, layer_type: str, moe: bool = False):
         super().__init__()
         self.layer_type = layer_type
+        self.moe = moe
         if layer_type == LINEAR_ATTENTION:
             self.linear_attn = GatedDeltaNet(args)
         else:
             self.self_attn = GatedAttention(args)
-        self.mlp = FeedForward(args.dim, args.hidden_dim)
+        self.mlp = SparseMoeBlock(args) if moe else FeedForward(args.dim, args.hidden_dim)
         self.input_layernorm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
 
@@ -40,12 +45,18 @@ class DecoderBlock(nn.Module):
         else:
             h = self.self_attn(h, docs, rope)
         x = x + h
+        if self.moe:
+            h, probs, experts = self.mlp(self.post_attention_layernorm(x))
+            return x + h, probs, experts
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def init_weights(self, std: float) -> None:
         self.mixer.init_weights(std)
-        for linear in (self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj):
-            nn.init.normal_(linear.weight, mean=0.0, std=std)
+        if self.moe:
+            self.mlp.init_weights(std)
+        else:
+            for linear in (self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj):
+                nn.init.normal_(linear.weight, mean=0.0, std=std)
         self.input_layernorm.reset_parameters()
         self.post_attention_layernorm.reset_parameters()
 
@@ -63,7 +74,10 @@ class Qwen35Model(ModelProtocol):
         self.model_args = model_args
         self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
         self.layers = nn.ModuleDict(
-            {str(i): DecoderBlock(model_args, t) for i, t in enumerate(model_args.layer_types)}
+            {
+                str(i): DecoderBlock(model_args, t, moe=model_args.is_moe_layer(i))
+                for i, t in enumerate(model_args.layer_types)
+            }
         )
         self.norm = ZeroCenteredRMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
@@ -100,7 +114,9 @@ class Qwen35Model(ModelProtocol):
         """Logits [B, T, vocab]. Without `attention_masks` each row is one document.
 
         With `chunked_loss` and `loss_chunk_tokens` resolving to > 0: `OutputHidden`, for
-        titan_gdn.loss to project and score a chunk of tokens at a time.
+        titan_gdn.loss to project and score a chunk of tokens at a time. With `chunked_loss`
+        (the trainer's call) and a load-balancing loss (`router_aux_loss_coef` > 0), that output
+        inside a `RoutedOutput` with every MoE layer's routing.
         """
         docs = attention_masks
         if docs is None:
@@ -108,10 +124,20 @@ class Qwen35Model(ModelProtocol):
         h = _in_autocast_dtype(self.tok_embeddings(tokens))
         args = self.model_args
         rope = rope_cos_sin(docs.position_ids, args.rotary_dim, args.rope_theta, h.dtype)
+        probs, experts = [], []
         for layer in self.layers.values():
             h = layer(h, docs, rope)
-        h = self.norm(h)
-        chunk_tokens = args.chunked_loss_tokens
+            if isinstance(h, tuple):  # an MoE block: its routing, for the aux loss
+                h, layer_probs, layer_experts = h
+                probs.append(layer_probs)
+                experts.append(layer_experts)
+        output = self._output(self.norm(h), chunked_loss)
+        if chunked_loss and probs and args.router_aux_loss_coef > 0:
+            return RoutedOutput(output, probs, experts, args.router_aux_loss_coef)
+        return output
+
+    def _output(self, h: torch.Tensor, chunked_loss: bool) -> torch.Tensor | OutputHidden:
+        chunk_tokens = self.model_args.chunked_loss_tokens
         if chunked_loss and chunk_tokens > 0:
             # The output module, not its weight: under FSDP2 `self.output.weight` is swapped
             # between sharded and unsharded parameters, and the loss must see the live one.

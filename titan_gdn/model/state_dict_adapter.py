@@ -1,4 +1,12 @@
-"""Map transformers Qwen3.5 checkpoints to this model's state dict and back."""
+"""Map transformers Qwen3.5, Qwen3.5 MoE and Qwen3-Next checkpoints to this model's state dict
+and back.
+
+The MoE keys (`mlp.gate.weight`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`,
+`mlp.shared_expert.*`, `mlp.shared_expert_gate.weight`) are this model's names as they are.
+Qwen3-Next stores each GDN layer's input projections fused and interleaved per key-head group;
+they are first rearranged into Qwen3.5's four projections (and back on export), so the Qwen3.5
+mapping then applies unchanged.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +16,10 @@ import re
 import shutil
 from typing import Any
 
+import torch
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
-from titan_gdn.model.args import Qwen35ModelArgs
+from titan_gdn.model.args import NEXT, Qwen35ModelArgs
 
 TEXT_PREFIX = "model."
 MULTIMODAL_PREFIX = "model.language_model."
@@ -55,9 +64,13 @@ class Qwen35StateDictAdapter(StateDictAdapter):
                 hf[self.prefix + key.replace(_CONV_OURS, _CONV_HF)] = value.unsqueeze(1)
             else:
                 hf[self.prefix + key] = value
+        if self.model_args.hf_model_type == NEXT:
+            hf = fuse_qwen3_next_projections(hf, self.model_args)
         return hf
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.model_args.hf_model_type == NEXT:
+            hf_state_dict = split_qwen3_next_projections(hf_state_dict, self.model_args)
         ours = {}
         for key, value in hf_state_dict.items():
             if _NOT_TEXT.match(key):
@@ -118,3 +131,57 @@ def _strip_prefix(key: str) -> str:
 
 def _checkpoint_prefix(hf_assets_path: str | None) -> str:
     return MULTIMODAL_PREFIX if "text_config" in _read_config(hf_assets_path) else TEXT_PREFIX
+
+
+# Qwen3-Next's fused GDN input projections. Per key-head group g, in_proj_qkvz's rows are
+# q_g [Dk], k_g [Dk], v_g [r * Dv], z_g [r * Dv] and in_proj_ba's are b_g [r], a_g [r], with
+# r = value heads per key head; Qwen3.5 keeps q, k, v of all heads in in_proj_qkv (q heads,
+# then k heads, then v heads) and z, b, a in projections of their own, heads in the same order.
+_QKVZ, _BA = ".linear_attn.in_proj_qkvz.weight", ".linear_attn.in_proj_ba.weight"
+_QWEN3_5_GDN = tuple(f".linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
+
+
+def _group_sizes(args: Qwen35ModelArgs) -> tuple[int, int, int]:
+    per_key_head = args.linear_num_value_heads // args.linear_num_key_heads
+    return args.linear_key_head_dim, per_key_head * args.linear_value_head_dim, per_key_head
+
+
+def split_qwen3_next_projections(state_dict: dict[str, Any], args) -> dict[str, Any]:
+    """Qwen3-Next keys -> Qwen3.5 keys: in_proj_qkvz / in_proj_ba become in_proj_qkv, _z, _b, _a."""
+    dk, rdv, r = _group_sizes(args)
+    groups = args.linear_num_key_heads
+    out = {}
+    for key, value in state_dict.items():
+        if key.endswith(_QKVZ):
+            q, k, v, z = value.view(groups, -1, value.shape[-1]).split([dk, dk, rdv, rdv], dim=1)
+            qkv_key, z_key = (key.replace(_QKVZ, new) for new in _QWEN3_5_GDN[:2])
+            out[qkv_key] = torch.cat([t.flatten(0, 1) for t in (q, k, v)])
+            out[z_key] = z.flatten(0, 1)
+        elif key.endswith(_BA):
+            b, a = value.view(groups, 2 * r, -1).split([r, r], dim=1)
+            b_key, a_key = (key.replace(_BA, new) for new in _QWEN3_5_GDN[2:])
+            out[b_key], out[a_key] = b.flatten(0, 1), a.flatten(0, 1)
+        else:
+            out[key] = value
+    return out
+
+
+def fuse_qwen3_next_projections(state_dict: dict[str, Any], args) -> dict[str, Any]:
+    """The inverse of `split_qwen3_next_projections`."""
+    dk, rdv, r = _group_sizes(args)
+    groups = args.linear_num_key_heads
+    qkv_suffix, z_suffix, b_suffix, a_suffix = _QWEN3_5_GDN
+    out = {}
+    for key, value in state_dict.items():
+        if key.endswith(qkv_suffix):
+            z = state_dict[key.replace(qkv_suffix, z_suffix)]
+            q, k, v = value.split([groups * dk, groups * dk, groups * rdv])
+            per_group = [t.view(groups, -1, t.shape[-1]) for t in (q, k, v, z)]
+            out[key.replace(qkv_suffix, _QKVZ)] = torch.cat(per_group, dim=1).flatten(0, 1)
+        elif key.endswith(b_suffix):
+            a = state_dict[key.replace(b_suffix, a_suffix)]
+            per_group = [t.view(groups, r, -1) for t in (value, a)]
+            out[key.replace(b_suffix, _BA)] = torch.cat(per_group, dim=1).flatten(0, 1)
+        elif not key.endswith((z_suffix, a_suffix)):
+            out[key] = value
+    return out

@@ -1,10 +1,11 @@
-"""TrainSpec parallelize function: context parallel, activation checkpointing, compile, FSDP2.
+"""TrainSpec parallelize function: context parallel, expert parallel, activation checkpointing,
+compile, FSDP2.
 
 Modelled on torchtitan 0.2.2's ``models/llama3/infra/parallelize.py`` and
-``models/qwen3/infra/parallelize.py``. Only data parallelism (FSDP2, optionally HSDP) and
-context parallelism are supported. It relies on the Transformer layout shared by torchtitan's
-llama3/qwen3 models and ours: ``tok_embeddings``, ``layers`` (a ModuleDict of blocks), ``norm``,
-``output``.
+``models/qwen3/infra/parallelize.py``. Only data parallelism (FSDP2, optionally HSDP), context
+and expert parallelism are supported. It relies on the Transformer layout shared by
+torchtitan's llama3/qwen3 models and ours: ``tok_embeddings``, ``layers`` (a ModuleDict of
+blocks), ``norm``, ``output``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import Shard
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.config.job_config import Compile as CompileConfig
 from torchtitan.distributed import ParallelDims
@@ -30,7 +32,6 @@ from titan_gdn.parallel.activation_checkpoint import apply_activation_checkpoint
 _UNSUPPORTED = (
     ("tp", "parallelism.tensor_parallel_degree"),
     ("pp", "parallelism.pipeline_parallel_degree"),
-    ("ep", "parallelism.expert_parallel_degree"),
     ("etp", "parallelism.expert_tensor_parallel_degree"),
 )
 
@@ -38,13 +39,17 @@ _UNSUPPORTED = (
 def parallelize_qwen3_5(
     model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig
 ) -> nn.Module:
-    """Apply CP, activation checkpointing, per-block compile and FSDP2 (in that order)."""
+    """Apply CP, EP, activation checkpointing, per-block compile and FSDP2 (in that order)."""
     _check_supported(parallel_dims)
     if parallel_dims.cp_enabled:
         # Lazy: the CP module is only needed (and only imported) when cp > 1.
         from titan_gdn.parallel.context_parallel import apply_context_parallel
 
         apply_context_parallel(model, parallel_dims.get_mesh("cp"))
+    if parallel_dims.ep_enabled:
+        from titan_gdn.parallel.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
 
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
@@ -73,8 +78,9 @@ def unsupported_parallelism_problems(parallel_dims: ParallelDims) -> list[str]:
     naming the setting; empty when all are supported."""
     problems = [
         f"{setting} = {getattr(parallel_dims, dim)} is not supported: titan_gdn supports only "
-        "FSDP (data_parallel_shard_degree, optionally with data_parallel_replicate_degree) "
-        "and context parallelism (context_parallel_degree)."
+        "FSDP (data_parallel_shard_degree, optionally with data_parallel_replicate_degree), "
+        "context parallelism (context_parallel_degree) and expert parallelism "
+        "(expert_parallel_degree)."
         for dim, setting in _UNSUPPORTED
         if getattr(parallel_dims, dim) > 1
     ]
@@ -92,10 +98,26 @@ def _compile_blocks(model: nn.Module, compile_config: CompileConfig) -> None:
     # the kernels are custom ops and document boundaries have a fixed shape, so a graph break
     # or a recompile per batch would be a bug to surface, not a cost to absorb.
     for layer_id, block in model.layers.named_children():
+        if block.moe:
+            _compile_moe_block(block, compile_config.backend)
+            continue
         model.layers.register_module(
             layer_id, torch.compile(block, backend=compile_config.backend, fullgraph=True)
         )
     logger.info(f"Compiled each decoder block with torch.compile ({compile_config.backend})")
+
+
+def _compile_moe_block(block: nn.Module, backend: str) -> None:
+    """Compile an MoE block's parts but its routed experts, as torchtitan's MoE models do: the
+    experts' token dispatch reads the group sizes on the host (expert parallel, the CPU loop)
+    and FSDP's hooks on them would break a block-wide graph."""
+    inner = getattr(block, "_checkpoint_wrapped_module", block)
+    for name, child in inner.named_children():
+        if name != "mlp":
+            setattr(inner, name, torch.compile(child, backend=backend, fullgraph=True))
+    for name, child in inner.mlp.named_children():
+        if name != "experts":
+            setattr(inner.mlp, name, torch.compile(child, backend=backend, fullgraph=True))
 
 
 def _reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
@@ -134,6 +156,8 @@ def _apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
     if model.tok_embeddings is not None and not tied:
         fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard)
     for block in model.layers.values():
+        if parallel_dims.ep_enabled and block.moe:
+            _shard_experts(block.mlp.experts, parallel_dims, config, reshard)
         fully_shard(block, **config, reshard_after_forward=reshard)
     # The last unit is needed right after forward (backward starts there): keep it unsharded
     # unless resharding is forced. A tied embedding joins it so that one FSDP unit owns (and
@@ -146,6 +170,22 @@ def _apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
     fully_shard(model, **config)
     _sum_gradients(model)
     logger.info(f"Applied {'HSDP' if parallel_dims.dp_replicate_enabled else 'FSDP'}")
+
+
+def _shard_experts(experts: nn.Module, parallel_dims: ParallelDims, config, reshard) -> None:
+    """Expert-parallel experts are FSDP units of their own, over the ranks that hold the same
+    experts (torchtitan's `efsdp`); the rest of the block is sharded over `fsdp`. Where the
+    ranks outnumber the experts, they shard each expert's rows (dim 1), as torchtitan does."""
+    names = ["dp_replicate", "efsdp"] if parallel_dims.dp_replicate_enabled else ["efsdp"]
+    mesh = parallel_dims.get_mesh(names)
+    efsdp, ep = parallel_dims.get_mesh("efsdp").size(), parallel_dims.ep
+    placement = (lambda param: Shard(1)) if efsdp * ep > experts.num_experts else None
+    fully_shard(
+        experts,
+        **{**config, "mesh": mesh},
+        reshard_after_forward=reshard,
+        shard_placement_fn=placement,
+    )
 
 
 def _embeddings_tied(model: nn.Module) -> bool:

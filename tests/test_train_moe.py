@@ -1,0 +1,55 @@
+"""Training the debug MoE model with run_train.sh (CPU + gloo): expert parallel over the
+context-parallel ranks gives the single-process losses, and the log shows the aux loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_train_qwen import REPO, _tensorboard, _train
+
+MOE_CONFIG = REPO / "train_configs" / "debug_moe.toml"
+
+pytestmark = pytest.mark.skipif(
+    torch.accelerator.is_available(), reason="CPU runs (gloo); GPU runs live in tests/gpu"
+)
+
+
+def _train_moe_ok(dump, *overrides: str, ngpu: int = 1):
+    code, output, steps = _train(dump, *overrides, ngpu=ngpu, config=MOE_CONFIG)
+    assert code == 0, output[-6000:]
+    return output, steps
+
+
+def test_expert_and_context_parallel_run_gives_the_single_process_losses(tmp_path):
+    """ep = 2 x cp = 2 on 2 ranks vs 1 rank, from one seed checkpoint, same global batch."""
+    seed_run = (
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        "--parallelism.data_parallel_shard_degree", "1",
+    )  # fmt: skip
+    _train_moe_ok(tmp_path / "seed", *seed_run)
+    common = (
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path", str(tmp_path / "seed" / "checkpoint" / "step-0"),
+        "--checkpoint.interval", "1000",
+        "--training.steps", "5",
+        "--metrics.enable_tensorboard",
+    )  # fmt: skip
+    output, single = _train_moe_ok(tmp_path / "one", *common)
+    assert "aux_loss: " in output
+    _, sharded = _train_moe_ok(
+        tmp_path / "ep2cp2",
+        *common,
+        "--parallelism.context_parallel_degree", "2",
+        "--parallelism.expert_parallel_degree", "2",
+        ngpu=2,
+    )  # fmt: skip
+    assert sorted(single) == sorted(sharded) == [1, 2, 3, 4, 5]
+    for tag in ("loss_metrics/global_avg_loss", "loss_metrics/router_aux_loss"):
+        reference = _tensorboard(tmp_path / "one")[tag]
+        values = _tensorboard(tmp_path / "ep2cp2")[tag]
+        for step, value in reference.items():
+            assert abs(values[step] - value) <= 1e-4 * value, (tag, step, values[step], value)
+    losses = _tensorboard(tmp_path / "ep2cp2")["loss_metrics/global_avg_loss"]
+    assert losses[5] < losses[1]
