@@ -1,13 +1,37 @@
 """Where a mixer's heads live: all on this rank, or 1/N of them on each rank of a `cp` mesh.
 
 A mixer computes per-token projections on its sequence shard, laid out [B, T/N, G, C]: G head
-groups of C channels each, every channel a group's mixing reads contiguous in its group. On
-the `cp` mesh that is placement `Shard(1)`; `to_heads` redistributes it to `Shard(2)`, so
-that the rank holds every token of G/N groups, and the mixer's kernels run on that local
-tensor. `to_tokens` brings the mixer's output back to `Shard(1)`. Each is one DTensor
-`redistribute`, one all-to-all; without context parallelism there is one rank and both are
-the identity. On a CPU mesh the redistribution is made to run that all-to-all too, as on GPUs
-(`titan_gdn.cpu.exchange_shards_by_all_to_all`).
+groups of C channels each, every channel a group's mixing reads contiguous in its group (one
+group-major GEMM: see the layers). On the `cp` mesh that is placement `Shard(1)`; `to_heads`
+redistributes it to `Shard(2)`, so that the rank holds every token of G/N groups, and the
+mixer's kernels run on that local tensor. `to_tokens` brings the mixer's output back to
+`Shard(1)`. Each is one DTensor `redistribute`, one all-to-all, forward and backward; without
+context parallelism there is one rank and both are the identity. A second CP mode can sit
+beside this one by offering the same three methods.
+
+What the redistribution runs (read in torch 2.11's and 2.13's source; run on 2.13, CPU):
+`Shard(1) -> Shard(2)` on one mesh dim is `torch.ops._dtensor.shard_dim_alltoall`, one op with
+no separate `wait_tensor` (so selective checkpointing tags it like any op and
+`OPS_TO_SAVE` names it), which compiles fullgraph. On CPU meshes torch instead gathers the
+whole tensor and keeps a chunk; `titan_gdn.cpu.exchange_shards_by_all_to_all` makes CPU runs
+use the op too. Live bytes of the exchange, in units of its input ([B, 2048, 4, 96] fp32 per
+rank, cp=2, torch 2.13 on CPU, the profiler's allocation events), against the custom op
+`titan_gdn::all_to_all` this module held before:
+
+| exchange | B | to_heads peak | held after | backward peak | round trip peak |
+|---|---|---|---|---|---|
+| custom op | 1 | 2.00 | 2.00 | 3.00 | 3.00 |
+| DTensor, `shard_dim_alltoall` | 1 | 2.00 | 1.00 | 3.00 | 3.00 |
+| custom op | 2 | 3.00 | 1.00 | 3.00 | 4.00 |
+| DTensor, `shard_dim_alltoall` | 2 | 3.00 | 1.00 | 4.00 | 4.00 |
+| DTensor, torch's CPU fallback | 1, 2 | 4.00 | 1.00 | 5.00 | 5.00 |
+
+Per-head parameters (`local`) stay plain slices of the unsharded parameter. As DTensors on
+the `cp` mesh they cannot be FSDP2 parameters over the flattened dp_shard x cp mesh
+(`fully_shard` raises "Cannot concatenate overlapping meshes", torch 2.11 and 2.13), and a
+slice derived by redistributing the unsharded parameter (`Replicate() -> Shard(0)`) gets an
+all-gathered, full gradient on every cp rank in backward, which FSDP's sum over the cp ranks
+would count N times.
 """
 
 from __future__ import annotations
