@@ -9,7 +9,7 @@ mixer's kernels run on that local tensor. `to_tokens` brings the mixer's output 
 context parallelism there is one rank and both are the identity. A second CP mode can sit
 beside this one by offering the same three methods.
 
-What the redistribution runs (read in torch 2.11's and 2.13's source; run on 2.13, CPU):
+What the redistribution runs (read in torch 2.11's and 2.13's source; run on both, CPU):
 `Shard(1) -> Shard(2)` on one mesh dim is `torch.ops._dtensor.shard_dim_alltoall`, one op with
 no separate `wait_tensor` (so selective checkpointing tags it like any op and
 `OPS_TO_SAVE` names it), which compiles fullgraph. On CPU meshes torch instead gathers the
