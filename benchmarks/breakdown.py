@@ -39,7 +39,6 @@ LAYER_RANGE = "bench::layer "
 # Collective ops as the profiler names them (functional, c10d, DTensor's, the backends'),
 # without helpers such as wait_tensor.
 _COLLECTIVE_OPS = (
-    "titan_gdn::all_to_all",
     "_c10d_functional::",
     "c10d::",
     "_dtensor::",
@@ -59,7 +58,7 @@ _COLLECTIVE_VERBS = (
 # (category, substrings of a kernel's name, substrings of an enclosing op's name). The first
 # rule that matches wins: step phases come before the kernels they contain, so a GEMM inside
 # the loss is loss time and the all-reduce of gradient clipping optimizer time. What is left of
-# the collectives then are the mixers' head redistributions (titan_gdn::all_to_all).
+# the collectives then are the mixers' head redistributions (_dtensor::shard_dim_alltoall).
 _RULES = (
     ("fsdp", ("AllGather", "ReduceScatter"), ("FSDP::",)),
     ("optimizer", (), ("Optimizer.", "bench::clip_grad_norm")),

@@ -3,15 +3,15 @@
     python scripts/comm_overlap.py TRACE.json [--json out.json]
 
 Reads a Chrome trace written by torch.profiler (`python -m benchmarks.throughput ...
---trace-dir DIR` saves one per profiled step). For each `titan_gdn::all_to_all` op: its NCCL
-kernel (found through the launch inside the op, by correlation id), its message size (the op's
-input, bytes per rank), its direction (backward when autograd's engine runs it, recomputed
-forwards included) and how much of the kernel's time an FSDP collective kernel (all-gather,
-reduce-scatter) ran beside it on another stream. Per direction and size: calls, and the median
-kernel time of the exchanges with and without such company. Slow exchanges that are the
-overlapped ones point at shared bandwidth; slow ones without company at the other rank
-arriving late (a kernel's time includes waiting for its peers).
-"""
+--trace-dir DIR` saves one per profiled step). For each mixer's head exchange (DTensor's op
+`_dtensor::shard_dim_alltoall`): its NCCL kernel (found through the launch inside the op, by
+correlation id), its message size (the op's input, bytes per rank), its direction (backward
+when autograd's engine runs it, recomputed forwards included) and how much of the kernel's time
+an FSDP collective kernel (all-gather, reduce-scatter) ran beside it on another stream. Per
+direction and size: calls, and the median kernel time of the exchanges with and without such
+company. Slow exchanges that are the overlapped ones point at shared bandwidth; slow ones
+without company at the other rank arriving late (a kernel's time includes waiting for its
+peers)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ _spec = importlib.util.spec_from_file_location(
 trace_gaps = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(trace_gaps)
 
-EXCHANGE_OP = "titan_gdn::all_to_all"
+EXCHANGE_OP = "_dtensor::shard_dim_alltoall"  # DTensor's Shard -> Shard redistribution
 FSDP_KERNELS = ("AllGather", "ReduceScatter")
 BACKWARD_OP = "autograd::engine::evaluate_function"
 # An exchange counts as overlapped when FSDP's kernels cover this share of it.

@@ -1,7 +1,10 @@
 import copy
+from collections import Counter
 
 import pytest
 import torch
+from torch._prims.rng_prims import run_with_rng_state
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # How many gpu-marked tests `pytest_collection_modifyitems` deselected, for the line that says so.
 GPU_TESTS_DESELECTED = pytest.StashKey[int]()
@@ -11,6 +14,22 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| in float64: one number per tensor, scale-free."""
     actual, expected = actual.double(), expected.double()
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops that reach the dispatcher while it is active."""
+
+    supports_higher_order_operators = True  # compiled backward may wrap ops in them
+
+    def __init__(self):
+        super().__init__()
+        self.calls = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Compiled backward recomputes ops that could be random with their forward RNG state,
+        # as run_with_rng_state(state, op, *args): count the op.
+        self.calls[args[1] if func is run_with_rng_state else func] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def perturb_norms_and_gates(model: torch.nn.Module, scale: float = 0.3) -> None:

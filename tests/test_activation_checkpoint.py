@@ -5,7 +5,8 @@ Full and selective (per layer, per op) checkpointing give the gradients of no ch
 the FLA delta-rule op (its kernels replaced by CPU stand-ins). Selective per-op checkpointing
 keeps what is costly to recompute: in backward the delta-rule forward kernel, attention and
 the CP head redistribution do not run again, while with full checkpointing they do (counted
-calls of the stand-in kernel, and of dispatcher ops).
+calls of the stand-in kernel, and of dispatcher ops). Each mixer exchanges heads once per
+direction in forward and in backward, twice in the backward of a recomputed block.
 """
 
 from collections import Counter
@@ -13,12 +14,10 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._prims.rng_prims import run_with_rng_state
-from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 
-from tests.conftest import perturbed_debug_model, relative_error
+from tests.conftest import OpCounter, perturbed_debug_model, relative_error
 from tests.distributed import run_on_ranks
 from tests.fla_stand_in import FlaStandIn
 from titan_gdn.model import DocumentBoundaries, qwen3_5_args
@@ -35,8 +34,8 @@ AC_MODES = {
     "selective op": ("selective", "op"),
     "selective every 2nd layer": ("selective", "2"),
 }
-ATTENTION_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-HEAD_COLLECTIVE = torch.ops.titan_gdn.all_to_all.default  # CP moves heads
+ATTENTION_FORWARD = "aten::_scaled_dot_product_flash_attention_for_cpu"
+HEAD_COLLECTIVE = "_dtensor::shard_dim_alltoall"  # CP moves heads
 
 
 def _batch() -> torch.Tensor:
@@ -63,32 +62,19 @@ def _parallel_dims(cp: int) -> ParallelDims:
     return ParallelDims(dp_replicate=1, dp_shard=1, cp=cp, tp=1, pp=1, ep=1, etp=1, world_size=cp)
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts the ops that reach the dispatcher while it is active."""
-
-    supports_higher_order_operators = True  # compiled backward may wrap ops in them
-
-    def __init__(self):
-        super().__init__()
-        self.calls = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # Compiled backward recomputes ops that could be random with their forward RNG state,
-        # as run_with_rng_state(state, op, *args): count the op.
-        self.calls[args[1] if func is run_with_rng_state else func] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _train_step(model, dims, tokens=slice(None)):
     """Loss of one packed batch (this rank's tokens of it) and its backward.
 
-    Returns the gradients by parameter name (as in the unwrapped model) and the ops that ran
-    in backward.
+    Returns the gradients by parameter name (as in the unwrapped model) and the ops that ran,
+    {"forward": Counter, "backward": Counter} (forward: as the profiler names them; a dispatch
+    mode would keep torch.compile from compiling the forward).
     """
     batch = _batch()
     inputs, labels = batch[:, :-1], batch[:, 1:]
     docs = DocumentBoundaries.from_tokens(inputs, EOS)
-    logits = model(inputs[:, tokens], attention_masks=docs)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as forward:
+        logits = model(inputs[:, tokens], attention_masks=docs)
+    forward_ops = Counter(e.name for e in forward.events() if not _inside_itself(e))
     loss = F.cross_entropy(logits.flatten(0, 1), labels[:, tokens].flatten(), reduction="sum")
     with OpCounter() as backward_ops:
         (loss / labels.numel()).backward()
@@ -97,7 +83,28 @@ def _train_step(model, dims, tokens=slice(None)):
         grad = param.grad.full_tensor() if dims.fsdp_enabled else param.grad
         name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
         grads[name] = grad
-    return grads, backward_ops.calls
+    backward_ops = Counter({_profiler_name(op): n for op, n in backward_ops.calls.items()})
+    return grads, {"forward": forward_ops, "backward": backward_ops}
+
+
+def _inside_itself(event) -> bool:
+    """Whether a profiled op runs inside a call of the same op: selective checkpointing's
+    caching mode dispatches each op again, under the first call."""
+    parent = event.cpu_parent
+    while parent is not None and parent.name != event.name:
+        parent = parent.cpu_parent
+    return parent is not None
+
+
+def _profiler_name(op) -> str:
+    """An op as the profiler names it: "namespace::name"."""
+    return str(op).replace(".", "::", 1).rsplit(".", 1)[0]
+
+
+def _moves_activations(op) -> bool:
+    """A DTensor or functional collective op: the ops that could exchange activations (FSDP's
+    parameter collectives are c10d's own; "gloo:..." names the backend's work inside an op)."""
+    return op.partition("::")[0] in ("_c10d_functional", "_dtensor")
 
 
 def _checkpointed(ac, compile_model, dims):
@@ -125,21 +132,33 @@ def _check_context_parallel(rank, world_size):
     shard = SEQ_LEN // world_size
     tokens = slice(rank * shard, (rank + 1) * shard)
     reference, _ = _train_step(perturbed_debug_model(), _parallel_dims(1))
-    _, ops = _train_step(_checkpointed(None, False, dims), dims, tokens)
-    plain_collectives = ops[HEAD_COLLECTIVE]
-    # Backward sends one all-to-all per direction per mixer (as forward does).
-    assert plain_collectives == 2 * len(qwen3_5_args["debugmodel"].layer_types), ops
+    mixers = len(qwen3_5_args["debugmodel"].layer_types)
+    # Blocks whose backward runs their forward again, exchanges included.
+    recomputed = {None: 0, "selective op": 0, "selective every 2nd layer": mixers // 2}
+    recomputed["full"] = mixers
     # Compiled per-layer mode is left out (it is full or nothing per block): compiles are slow.
-    cases = [(ac, False) for ac in AC_MODES] + [("full", True), ("selective op", True)]
+    cases = [
+        (None, False),
+        *((ac, False) for ac in AC_MODES),
+        ("full", True),
+        ("selective op", True),
+    ]
     for ac, compile_model in cases:
-        grads, ops = _train_step(_checkpointed(ac, compile_model, dims), dims, tokens)
+        model = _checkpointed(ac, compile_model, dims)
+        if compile_model:  # compiled first, so that tracing's ops are not counted
+            _train_step(model, dims, tokens)
+            model.zero_grad(set_to_none=True)
+        grads, ops = _train_step(model, dims, tokens)
         label = f"cp={world_size} {ac} {compile_model=}"
         _assert_same_grads(grads, reference, 1e-5, label)
-        if ac == "selective op":
-            # The forward's head redistributions are kept, not sent again.
-            assert ops[HEAD_COLLECTIVE] == plain_collectives, label
-        if ac == "full":
-            assert ops[HEAD_COLLECTIVE] == 2 * plain_collectives, label
+        # One redistribution per direction per mixer, in forward and in backward; a recomputed
+        # forward sends its two again, while selective per-op checkpointing keeps them.
+        exchanges = {phase: calls[HEAD_COLLECTIVE] for phase, calls in ops.items()}
+        expected = {"forward": 2 * mixers, "backward": 2 * (mixers + recomputed[ac])}
+        assert exchanges == expected, (label, exchanges)
+        # Nothing else moves activations between the cp ranks.
+        others = [op for calls in ops.values() for op in calls if _moves_activations(op)]
+        assert set(others) <= {HEAD_COLLECTIVE}, (label, others)
 
 
 def test_checkpointing_with_context_parallel_keeps_the_gradients():
@@ -169,7 +188,7 @@ def test_selective_op_checkpointing_does_not_rerun_the_kernels(fla_stand_in, com
         grads, ops = _train_step(model, dims)
         # Forward ran the kernel once per GDN layer; backward may have run it again.
         delta_rule_reruns = fla_stand_in.forward_calls - layer_types[LINEAR_ATTENTION]
-        reruns[ac] = (delta_rule_reruns, ops[ATTENTION_FORWARD])
+        reruns[ac] = (delta_rule_reruns, ops["backward"][ATTENTION_FORWARD])
         _assert_same_grads(grads, reference, 1e-6, f"{ac} {compile_model=}")
     assert reruns["selective op"] == (0, 0), reruns
     assert reruns["full"] == (layer_types[LINEAR_ATTENTION], layer_types[FULL_ATTENTION]), reruns

@@ -358,10 +358,10 @@ def _one_exchange_each_way():
     block = _event(2, "bench::layer 0", 10, 90, forward, is_user_annotation=True)
     compiled = _event(3, "CompiledFunction", 11, 89, block, seq=7)
     sent = [[1, 1024, 2, 64]]  # bf16: 256 KiB
-    to_heads = _event(4, "titan_gdn::all_to_all", 20, 30, compiled, shapes=sent)
+    to_heads = _event(4, "_dtensor::shard_dim_alltoall", 20, 30, compiled, shapes=sent)
     engine = _event(6, "autograd::engine::evaluate_function: CompiledFunctionBackward", 200, 300)
     backward = _event(7, "CompiledFunctionBackward", 201, 299, engine, seq=7)
-    to_tokens = _event(8, "titan_gdn::all_to_all", 210, 220, backward, shapes=sent)
+    to_tokens = _event(8, "_dtensor::shard_dim_alltoall", 210, 220, backward, shapes=sent)
     kernels = [
         _kernel(9, "ncclDevKernel_SendRecv", 21, 26, to_heads),
         _kernel(10, "chunk_fwd_kernel_o", 41, 51),

@@ -19,7 +19,7 @@ def _event(cat, name, ts, dur, tid, **args):
 def _exchange(ts, link, kernel_ts, kernel_us, tid=1):
     dims = {"Input Dims": [SEND, [], []], "Input type": ["c10::BFloat16", "", "ScalarList"]}
     return [
-        _event("cpu_op", "titan_gdn::all_to_all", ts, 50, tid, **dims),
+        _event("cpu_op", "_dtensor::shard_dim_alltoall", ts, 50, tid, **dims),
         _event("cuda_driver", "cuLaunchKernelEx", ts + 10, 5, tid, correlation=link),
         _event("kernel", "ncclDevKernel_SendRecv", kernel_ts, kernel_us, 7, correlation=link),
     ]
@@ -37,7 +37,7 @@ def _trace():
         _event("kernel", "ncclDevKernel_ReduceScatter_Sum_bf16", 1500, 200, 9, correlation=4),
         _event("kernel", "ncclDevKernel_AllGather_RING", 1650, 100, 9, correlation=5),
         # an exchange whose kernel was not traced is left out
-        _event("cpu_op", "titan_gdn::all_to_all", 3000, 10, 1),
+        _event("cpu_op", "_dtensor::shard_dim_alltoall", 3000, 10, 1),
     ]
 
 

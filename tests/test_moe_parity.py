@@ -103,14 +103,18 @@ def test_qwen3_next_projections_keep_each_head_group(hf_modules):
     """The fused projections split per key-head group: a permutation of rows within the fused
     weight must land in a different head, so that a wrong split cannot pass the round trip."""
     hf_model, ours = _pair(hf_modules, "qwen3_next", seed=4)
-    key = "model.layers.0.linear_attn.in_proj_qkvz.weight"
-    qkvz = hf_model.state_dict()[key]
-    split = Adapter(ours.model_args, None).from_hf({key: qkvz})
+    prefix = "model.layers.0.linear_attn."
+    hf_sd = hf_model.state_dict()
+    fused = {k: hf_sd[prefix + k + ".weight"] for k in ("in_proj_qkvz", "in_proj_ba")}
+    layer_0 = {k: w for k, w in hf_sd.items() if k.startswith(prefix)}
+    ours_sd = Adapter(ours.model_args, None).from_hf(layer_0)
     args = ours.model_args
     dk, groups = args.linear_key_head_dim, args.linear_num_key_heads
-    q_of_group_1 = split["layers.0.linear_attn.in_proj_qkv.weight"][dk : 2 * dk]
-    per_group = qkvz.shape[0] // groups
-    assert torch.equal(q_of_group_1, qkvz[per_group : per_group + dk])
+    # Ours is group-major too (in_proj_qkvba: per group q, k, v, b, a): group 1's q rows.
+    ours_per_group = ours.layers["0"].linear_attn.group_channels
+    q_of_group_1 = ours_sd["layers.0.linear_attn.in_proj_qkvba.weight"][sum(ours_per_group) :][:dk]
+    per_group = fused["in_proj_qkvz"].shape[0] // groups
+    assert torch.equal(q_of_group_1, fused["in_proj_qkvz"][per_group : per_group + dk])
 
 
 def test_multimodal_config_and_keys(hf_modules):

@@ -176,3 +176,29 @@ def use_cpu_if_no_accelerator() -> bool:
     _permute_indices_on_cpu(moe_utils)
     _CPU_ACTIVE = True
     return True
+
+
+def exchange_shards_by_all_to_all() -> None:
+    """Make DTensor's Shard(i) -> Shard(j) on a CPU mesh run the all-to-all it runs on GPUs.
+
+    On a CPU mesh, torch (2.11 to 2.13, `distributed/tensor/_collective_utils.py`,
+    `shard_dim_alltoall`) gathers the whole tensor on every rank and keeps a chunk ("Gloo does
+    not support alltoall"), though gloo has had the all-to-all that the op
+    `_dtensor.shard_dim_alltoall` calls: the fallback holds N shards where one is needed, and
+    would make CPU runs test other ops (an all-gather, a separate wait) than GPUs run. Its
+    caller, `placement_types.Shard._to_new_shard_dim`, reads the function by name from its
+    own module globals; that binding is replaced by the same function without the fallback.
+    Idempotent; CUDA meshes are unaffected (they never took the fallback).
+    """
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed.tensor import placement_types
+
+    if getattr(placement_types.shard_dim_alltoall, "_all_to_all_on_cpu", False):
+        return
+
+    def shard_dim_alltoall(input, gather_dim, shard_dim, mesh, mesh_dim):
+        group_name = funcol._resolve_group_name((mesh, mesh_dim))
+        return torch.ops._dtensor.shard_dim_alltoall(input, gather_dim, shard_dim, group_name)
+
+    shard_dim_alltoall._all_to_all_on_cpu = True
+    placement_types.shard_dim_alltoall = shard_dim_alltoall

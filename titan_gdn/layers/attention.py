@@ -20,7 +20,11 @@ class GatedAttention(nn.Module):
     """Per-token projections, attention per head group over whole documents, per-token output.
 
     A group is one KV head with the query heads that read it. When context parallel has more
-    ranks than KV heads, each KV head is repeated so that every rank owns whole groups.
+    ranks than KV heads, each KV head is repeated so that every rank owns whole groups. What
+    a group's attention reads comes from one GEMM, `qkv_proj`, whose output rows are
+    group-major (per KV head: its query heads, its key, its value), so that the exchange moves
+    one tensor; the output gate is read only per token, after attention, from a GEMM of its
+    own (`gate_proj`).
     """
 
     def __init__(self, args):
@@ -30,52 +34,53 @@ class GatedAttention(nn.Module):
         self.head_dim = args.head_dim
         self.attn_backend = args.attn_backend
         self.heads = NO_SHARDING
-        # q_proj carries, per head, the query and its output gate side by side.
-        self.q_proj = nn.Linear(args.dim, 2 * args.n_heads * args.head_dim, bias=False)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = ZeroCenteredRMSNorm(args.head_dim, eps=args.norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(args.head_dim, eps=args.norm_eps)
+        dim, head_dim = args.dim, args.head_dim
+        self.qkv_proj = nn.Linear(dim, (args.n_heads + 2 * args.n_kv_heads) * head_dim, bias=False)
+        self.gate_proj = nn.Linear(dim, args.n_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * head_dim, dim, bias=False)
+        self.q_norm = ZeroCenteredRMSNorm(head_dim, eps=args.norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(head_dim, eps=args.norm_eps)
 
     def forward(self, x: torch.Tensor, docs: DocumentBoundaries, rope) -> torch.Tensor:
-        q, k, v, gate = self.project(x)
-        q, k, v = self.heads.to_heads(q, k, v)
-        (o,) = self.heads.to_tokens(self.mix(q, k, v, docs, rope))
-        return self.output(o, gate)
+        groups = self.heads.to_heads(self.project(x))
+        o = self.heads.to_tokens(self.mix(groups, docs, rope))
+        return self.output(o, x)
 
     @property
     def groups(self) -> int:
         return max(self.n_kv_heads, self.heads.degree)
 
-    def project(self, x: torch.Tensor):
-        """Per token, per group: q [B,T,G,(H/G)*D], k, v [B,T,G,D], and the gate [B,T,H,D].
-        q and k are normalised per head."""
-        batch, seq_len, _ = x.shape
-        q, gate = self.q_proj(x).view(batch, seq_len, self.n_heads, 2 * self.head_dim).chunk(2, -1)
-        k = self.k_norm(self.k_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Per token, per group: its query heads, then its key and value, [B,T,G,(H/G+2)*D]."""
+        kv_groups = self.qkv_proj(x).unflatten(-1, (self.n_kv_heads, -1))
         repeats = self.groups // self.n_kv_heads
-        k, v = (t.repeat_interleave(repeats, dim=2) if repeats > 1 else t for t in (k, v))
-        return self.q_norm(q).flatten(2).unflatten(2, (self.groups, -1)), k, v, gate
+        if repeats == 1:
+            return kv_groups
+        # Each KV head goes with every share of its query heads: the one copy of this layout.
+        q, kv = kv_groups.split([kv_groups.shape[-1] - 2 * self.head_dim, 2 * self.head_dim], -1)
+        q = q.unflatten(-1, (repeats, -1))
+        kv = kv.unsqueeze(3).expand(*q.shape[:-1], -1)
+        return torch.cat([q, kv], dim=-1).flatten(2, 3)
 
-    def mix(self, q, k, v, docs: DocumentBoundaries, rope) -> torch.Tensor:
-        """RoPE + document-causal attention over the whole sequence for the groups given."""
+    def mix(self, groups: torch.Tensor, docs: DocumentBoundaries, rope) -> torch.Tensor:
+        """q/k norms, RoPE and document-causal attention over the whole sequence for the
+        groups given; output per group [B, T, G, (H/G)*D]."""
+        head_dim = self.head_dim
+        q, k, v = groups.split([groups.shape[-1] - 2 * head_dim, head_dim, head_dim], dim=-1)
+        q = self.q_norm(q.unflatten(-1, (-1, head_dim)).flatten(2, 3))
         cos, sin = rope
-        q = apply_partial_rope(
-            q.unflatten(-1, (-1, self.head_dim)).flatten(2, 3).transpose(1, 2), cos, sin
-        )
-        k = apply_partial_rope(k.transpose(1, 2), cos, sin)
+        q = apply_partial_rope(q.transpose(1, 2), cos, sin)
+        k = apply_partial_rope(self.k_norm(k).transpose(1, 2), cos, sin)
         o = document_causal_attention(
             q, k, v.transpose(1, 2), docs.document_ids, docs.block_mask, self.attn_backend
         )
         return o.transpose(1, 2).flatten(2).unflatten(2, (k.shape[1], -1))
 
-    def output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(o.flatten(2) * torch.sigmoid(gate.flatten(2)))
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(o.flatten(2) * torch.sigmoid(self.gate_proj(x)))
 
     def init_weights(self, std: float) -> None:
-        for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+        for linear in (self.qkv_proj, self.gate_proj, self.o_proj):
             nn.init.normal_(linear.weight, mean=0.0, std=std)
         self.q_norm.reset_parameters()
         self.k_norm.reset_parameters()

@@ -22,6 +22,10 @@ class GatedDeltaNet(nn.Module):
 
     Heads are handled in groups of one key head with the value heads that read it; a group is
     the unit that `self.heads` places on a rank (all of them unless context parallel is on).
+    What a group's mixing reads comes from one GEMM, `in_proj_qkvba`, whose output rows are
+    group-major: per group its q, k, v, b, a, so that a group's channels are one contiguous
+    block and the exchange moves one tensor. The gate z is only read per token, after the
+    mixing: it has a GEMM of its own, run then, so that it is not held through the mixing.
     """
 
     def __init__(self, args):
@@ -33,48 +37,46 @@ class GatedDeltaNet(nn.Module):
         self.conv_backend = args.conv_backend
         self.delta_rule_backend = args.delta_rule_backend
         self.heads = NO_SHARDING
-        key_dim = self.num_k_heads * self.head_k_dim
-        value_dim = self.num_v_heads * self.head_v_dim
-        self.in_proj_qkv = nn.Linear(args.dim, 2 * key_dim + value_dim, bias=False)
+        groups, value_dim = self.num_k_heads, self.num_v_heads * self.head_v_dim
+        self.in_proj_qkvba = nn.Linear(args.dim, groups * sum(self.group_channels), bias=False)
         self.in_proj_z = nn.Linear(args.dim, value_dim, bias=False)
-        self.in_proj_b = nn.Linear(args.dim, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(args.dim, self.num_v_heads, bias=False)
-        # Depthwise conv over the q | k | v channels, one [K] filter per channel.
-        conv_dim, kernel = 2 * key_dim + value_dim, args.linear_conv_kernel_dim
-        self.conv_weight = nn.Parameter(torch.empty(conv_dim, kernel))
+        # Depthwise conv over each group's q | k | v channels, one [K] filter per channel,
+        # stored group-major as the projection is, so that a rank's groups are one slice.
+        conv_dim = groups * sum(self.group_channels[:3])
+        self.conv_weight = nn.Parameter(torch.empty(conv_dim, args.linear_conv_kernel_dim))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, eps=args.norm_eps)
         self.out_proj = nn.Linear(value_dim, args.dim, bias=False)
 
+    @property
+    def group_channels(self) -> list[int]:
+        """Channels of one group in `in_proj_qkvba`'s output: q, k, v, b, a."""
+        per_group = self.num_v_heads // self.num_k_heads  # value heads reading one key head
+        return [self.head_k_dim, self.head_k_dim, per_group * self.head_v_dim, per_group, per_group]
+
     def forward(self, x: torch.Tensor, docs: DocumentBoundaries) -> torch.Tensor:
-        # a and b in buffers of their own: the gate backward reads them after the delta rule's.
-        q, k, v, a, b = self.heads.to_heads(*self.project(x), own_buffers=2)
-        (o,) = self.heads.to_tokens(self.mix(q, k, v, a, b, docs))
+        groups = self.in_proj_qkvba(x).unflatten(-1, (self.num_k_heads, -1))
+        o = self.heads.to_tokens(self.mix(self.heads.to_heads(groups), docs))
         return self.output(o, x)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Per-token projections, per key-head group: q, k [B,T,Hk,Dk]; v [B,T,Hk,r*Dv];
-        a, b [B,T,Hk,r], where r = Hv / Hk value heads read each key head."""
-        key_dim = self.num_k_heads * self.head_k_dim
-        value_dim = self.num_v_heads * self.head_v_dim
-        q, k, v = self.in_proj_qkv(x).split([key_dim, key_dim, value_dim], dim=-1)
-        groups = self.num_k_heads
-        return tuple(
-            t.unflatten(-1, (groups, -1)) for t in (q, k, v, self.in_proj_a(x), self.in_proj_b(x))
-        )
-
-    def mix(self, q, k, v, a, b, docs: DocumentBoundaries) -> torch.Tensor:
-        """Conv + delta rule over the whole packed sequence for the groups given, output in
-        group layout [B, T, G, r*Dv]. The per-head parameters used are this rank's slices, so a
-        head meets its own filters, decay and step size."""
-        batch, seq_len, groups, _ = q.shape
-        v_heads = a.shape[2] * a.shape[3]
-        # Packed layout for the varlen kernels: rows end to end, [1, B*T, channels].
+    def mix(self, groups: torch.Tensor, docs: DocumentBoundaries) -> torch.Tensor:
+        """Conv + delta rule over the whole packed sequence for the groups given
+        ([B, T, G, group channels]), output in group layout [B, T, G, r*Dv]. The per-head
+        parameters used are this rank's slices, so a head meets its own filters, decay and
+        step size."""
+        batch, seq_len, local_groups, _ = groups.shape
+        q, k, v, b, a = groups.split(self.group_channels, dim=-1)
+        # b and a in buffers of their own: the gate backward reads them after the delta rule's
+        # backward, and a view would hold the whole projection until then (9 GiB of a 0.8B
+        # layer at 786k tokens); q, k, v are copied into the conv's input below anyway.
+        b, a = b.contiguous(), a.contiguous()
+        v_heads = local_groups * self.group_channels[3]
+        # The kernels' layout, q | k | v per token: packed rows end to end, [1, B*T, channels].
         qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
         qkv = causal_conv1d_silu(
             qkv.view(1, batch * seq_len, -1),
-            self._local_conv_weight(),
+            self._conv_weight_in_kernel_layout(local_groups),
             docs.padded_cu_seqlens,
             self.conv_backend,
         )
@@ -82,20 +84,21 @@ class GatedDeltaNet(nn.Module):
         A_log, dt_bias = self.heads.local(self.A_log), self.heads.local(self.dt_bias)
         g = -A_log.float().exp() * F.softplus(a.flatten(2).float() + dt_bias)
         o = gated_delta_rule(
-            q.view(1, -1, groups, self.head_k_dim),
-            k.view(1, -1, groups, self.head_k_dim),
+            q.view(1, -1, local_groups, self.head_k_dim),
+            k.view(1, -1, local_groups, self.head_k_dim),
             v.view(1, -1, v_heads, self.head_v_dim),
             g.view(1, -1, v_heads),
             b.flatten(2).sigmoid().view(1, -1, v_heads),
             docs.padded_cu_seqlens,
             backend=self.delta_rule_backend,
         )
-        return o.view(batch, seq_len, groups, -1)
+        return o.view(batch, seq_len, local_groups, -1)
 
-    def _local_conv_weight(self) -> torch.Tensor:
-        key_dim = self.num_k_heads * self.head_k_dim
-        sections = self.conv_weight.split([key_dim, key_dim, self.num_v_heads * self.head_v_dim])
-        return torch.cat([self.heads.local(w) for w in sections])
+    def _conv_weight_in_kernel_layout(self, local_groups: int) -> torch.Tensor:
+        """This rank's groups of the (group-major) conv weight, as q | k | v sections."""
+        per_group = self.heads.local(self.conv_weight).unflatten(0, (local_groups, -1))
+        sections = per_group.split(self.group_channels[:3], dim=1)
+        return torch.cat([w.flatten(0, 1) for w in sections])
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Gated norm with silu(z) per head, then the output projection (per token)."""
@@ -104,8 +107,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(o, z).flatten(2))
 
     def init_weights(self, std: float) -> None:
-        linears = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a, self.out_proj)
-        for linear in linears:
+        for linear in (self.in_proj_qkvba, self.in_proj_z, self.out_proj):
             nn.init.normal_(linear.weight, mean=0.0, std=std)
         nn.init.normal_(self.conv_weight, mean=0.0, std=std)
         nn.init.ones_(self.dt_bias)

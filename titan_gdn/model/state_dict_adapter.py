@@ -54,7 +54,7 @@ class Qwen35StateDictAdapter(StateDictAdapter):
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         hf = {}
-        for key, value in state_dict.items():
+        for key, value in split_mixer_projections(state_dict, self.model_args).items():
             if key == "output.weight":
                 if not self.model_args.enable_weight_tying:
                     hf["lm_head.weight"] = value
@@ -88,7 +88,7 @@ class Qwen35StateDictAdapter(StateDictAdapter):
                 ours[name] = value
         if self.model_args.enable_weight_tying and "tok_embeddings.weight" in ours:
             ours["output.weight"] = ours["tok_embeddings.weight"]
-        return ours
+        return fuse_mixer_projections(ours, self.model_args)
 
     def save_hf_metadata(self, folder: str, dtype: str) -> None:
         """Make the safetensors export in `folder` a folder transformers can load.
@@ -112,6 +112,95 @@ class Qwen35StateDictAdapter(StateDictAdapter):
             path = os.path.join(self.hf_assets_path or "", name)
             if self.hf_assets_path and os.path.isfile(path):
                 shutil.copyfile(path, os.path.join(folder, name))
+
+
+# transformers keeps one matrix per projection; a titan_gdn mixer has one matrix for what its
+# head groups send over context parallel, group-major (see the layers' docstrings), and one for
+# its per-token gate. These functions move rows between the two layouts (a permutation: the
+# round trip is exact), with views, splits and cats only, which DTensors support too.
+_GDN_HF = ("in_proj_qkv", "in_proj_b", "in_proj_a")
+_GDN_OURS = "in_proj_qkvba"
+_ATTENTION_HF = ("q_proj", "k_proj", "v_proj")
+_ATTENTION_OURS = ("qkv_proj", "gate_proj")
+
+
+def fuse_mixer_projections(state_dict: dict[str, Any], args: Qwen35ModelArgs) -> dict[str, Any]:
+    """Our state dict from one in transformers' projection layout (other keys as they are)."""
+    fused = dict(state_dict)
+    for key in state_dict:
+        layer, _, name = key.rpartition(".linear_attn.")
+        if name == f"{_GDN_HF[0]}.weight":
+            prefix = f"{layer}.linear_attn."
+            qkv, b, a = (fused.pop(f"{prefix}{hf}.weight") for hf in _GDN_HF)
+            sections = (*_qkv_sections(qkv, args), b, a)
+            fused[f"{prefix}{_GDN_OURS}.weight"] = _group_major(sections, args.linear_num_key_heads)
+            conv = fused[f"{prefix}conv_weight"]
+            fused[f"{prefix}conv_weight"] = _group_major(
+                _qkv_sections(conv, args), args.linear_num_key_heads
+            )
+        layer, _, name = key.rpartition(".self_attn.")
+        if name == f"{_ATTENTION_HF[0]}.weight":
+            prefix = f"{layer}.self_attn."
+            q_and_gate, k, v = (fused.pop(f"{prefix}{hf}.weight") for hf in _ATTENTION_HF)
+            # Per head, transformers' q_proj rows are its query, then its output gate.
+            q, gate = q_and_gate.unflatten(0, (args.n_heads, 2, -1)).unbind(1)
+            fused[f"{prefix}qkv_proj.weight"] = _group_major(
+                (q.flatten(0, 1), k, v), args.n_kv_heads
+            )
+            fused[f"{prefix}gate_proj.weight"] = gate.flatten(0, 1)
+    return fused
+
+
+def split_mixer_projections(state_dict: dict[str, Any], args: Qwen35ModelArgs) -> dict[str, Any]:
+    """The inverse of `fuse_mixer_projections`."""
+    split = dict(state_dict)
+    for key in state_dict:
+        layer, _, name = key.rpartition(".linear_attn.")
+        if name == f"{_GDN_OURS}.weight":
+            prefix = f"{layer}.linear_attn."
+            q, k, v, b, a = _sections(
+                split.pop(key), _gdn_group_rows(args), args.linear_num_key_heads
+            )
+            split[f"{prefix}in_proj_qkv.weight"] = torch.cat([q, k, v])
+            split[f"{prefix}in_proj_b.weight"], split[f"{prefix}in_proj_a.weight"] = b, a
+            conv = _sections(
+                split[f"{prefix}conv_weight"], _gdn_group_rows(args)[:3], args.linear_num_key_heads
+            )
+            split[f"{prefix}conv_weight"] = torch.cat(conv)
+        layer, _, name = key.rpartition(".self_attn.")
+        if name == f"{_ATTENTION_OURS[0]}.weight":
+            prefix = f"{layer}.self_attn."
+            head_dim, per_kv = args.head_dim, args.n_heads // args.n_kv_heads
+            rows = [per_kv * head_dim, head_dim, head_dim]
+            q, k, v = _sections(split.pop(key), rows, args.n_kv_heads)
+            gate = split.pop(f"{prefix}gate_proj.weight")
+            heads = [t.unflatten(0, (args.n_heads, head_dim)) for t in (q, gate)]
+            split[f"{prefix}q_proj.weight"] = torch.stack(heads, dim=1).flatten(0, 2)
+            split[f"{prefix}k_proj.weight"], split[f"{prefix}v_proj.weight"] = k, v
+    return split
+
+
+def _qkv_sections(weight, args: Qwen35ModelArgs) -> list:
+    key_dim = args.linear_num_key_heads * args.linear_key_head_dim
+    value_dim = args.linear_num_value_heads * args.linear_value_head_dim
+    return list(weight.split([key_dim, key_dim, value_dim]))
+
+
+def _gdn_group_rows(args: Qwen35ModelArgs) -> list[int]:
+    per_group = args.linear_num_value_heads // args.linear_num_key_heads
+    key, value = args.linear_key_head_dim, args.linear_value_head_dim
+    return [key, key, per_group * value, per_group, per_group]
+
+
+def _group_major(sections, groups: int):
+    """Head-major sections (rows of all groups each) -> per group, its rows of every section."""
+    return torch.cat([s.unflatten(0, (groups, -1)) for s in sections], dim=1).flatten(0, 1)
+
+
+def _sections(weight, group_rows: list[int], groups: int) -> list:
+    """The inverse of `_group_major`."""
+    per_group = weight.unflatten(0, (groups, -1)).split(group_rows, dim=1)
+    return [s.flatten(0, 1) for s in per_group]
 
 
 def _read_config(hf_assets_path: str | None) -> dict[str, Any]:

@@ -10,7 +10,8 @@
   conv, the layout changes) is recomputed. The list is torchtitan's (attention kernels, every
   second matmul, reduce-scatter) plus what only this model has: the delta-rule ops, whose
   kernels are the costliest part of a GDN block to recompute; CPU attention; and the
-  all-to-all that moves heads under context parallelism, so backward sends nothing twice.
+  all-to-all that moves heads under context parallelism (DTensor's Shard -> Shard
+  redistribution), so backward sends nothing twice.
 
 The policy sees dispatcher ops, in eager and compiled code alike: that is why the kernels are
 custom ops even in eager mode (`titan_gdn.ops.custom_op`). Saving the FLA delta-rule op keeps
@@ -27,13 +28,12 @@ from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 
 # Imported for their side effect too: the ops below are registered on import.
 from titan_gdn.ops import delta_rule  # noqa: F401
-from titan_gdn.parallel import head_sharding  # noqa: F401
 
 OPS_TO_SAVE = _op_sac_save_list | {
     torch.ops.titan_gdn.gated_delta_rule_fla.default,
     torch.ops.titan_gdn.gated_delta_rule_torch.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.titan_gdn.all_to_all.default,  # context parallel moves heads
+    torch.ops._dtensor.shard_dim_alltoall.default,  # context parallel moves heads
 }
 
 
