@@ -14,17 +14,18 @@ What the redistribution runs (read in torch 2.11's and 2.13's source; run on bot
 no separate `wait_tensor` (so selective checkpointing tags it like any op and
 `OPS_TO_SAVE` names it), which compiles fullgraph. On CPU meshes torch instead gathers the
 whole tensor and keeps a chunk; `titan_gdn.cpu.exchange_shards_by_all_to_all` makes CPU runs
-use the op too. Live bytes of the exchange, in units of its input ([B, 2048, 4, 96] fp32 per
-rank, cp=2, torch 2.13 on CPU, the profiler's allocation events), against the custom op
-`titan_gdn::all_to_all` this module held before:
+use the op too. Peak memory of a whole cp=2 step (the debug model, 4096 tokens a row, B=1,
+torch 2.13 on CPU, `scripts/exchange_memory.py`: the least over 3 steps), against the custom
+op `titan_gdn::all_to_all` this module held before (commit 8dedaf6), DTensor / op in MiB:
 
-| exchange | B | to_heads peak | held after | backward peak | round trip peak |
-|---|---|---|---|---|---|
-| custom op | 1 | 2.00 | 2.00 | 3.00 | 3.00 |
-| DTensor, `shard_dim_alltoall` | 1 | 2.00 | 1.00 | 3.00 | 3.00 |
-| custom op | 2 | 3.00 | 1.00 | 3.00 | 4.00 |
-| DTensor, `shard_dim_alltoall` | 2 | 3.00 | 1.00 | 4.00 | 4.00 |
-| DTensor, torch's CPU fallback | 1, 2 | 4.00 | 1.00 | 5.00 | 5.00 |
+| compiled | AC none | AC selective op | AC full |
+|---|---|---|---|
+| no | 508.1 / 508.1 | 404.5 / 404.5 | 300.6 / 320.7 |
+| yes (`aot_eager`) | 458.1 / 442.0 | 355.7 / 359.7 | 299.3 / 326.7 |
+
+DTensor / op: within 3% or below at B=1 and B=2 but compiled without checkpointing at B=1,
++3.6% (one GDN layer's exchanged tensor). B=2, the exchange on its own, the commands:
+docs/design.md.
 
 Per-head parameters (`local`) stay plain slices of the unsharded parameter. As DTensors on
 the `cp` mesh they cannot be FSDP2 parameters over the flattened dp_shard x cp mesh
