@@ -175,7 +175,7 @@ def _batch_problems(job_config, world_size: int) -> list[str]:
 
 def _model_problems(job_config) -> list[str]:
     from titan_gdn.model.args import job_config_problems
-    from titan_gdn.parallel.context_parallel import context_parallel_problems
+    from titan_gdn.parallel.cp_layout import context_parallel_split, layout_problems
 
     problems = []
     try:
@@ -195,7 +195,7 @@ def _model_problems(job_config) -> list[str]:
         )
     if args is not None:
         problems += job_config_problems(args, job_config, tokenizer)
-        problems += context_parallel_problems(args, job_config.parallelism.context_parallel_degree)
+        problems += layout_problems(args, **context_parallel_split(job_config))
     return problems
 
 
