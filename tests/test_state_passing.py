@@ -105,3 +105,20 @@ def _recurrence_from(inputs, state):
         state = state + k[t, :, :, None] * correction[:, None, :]
         outputs.append(torch.einsum("hk,hkv->hv", q[t], state))
     return torch.stack(outputs)[None], state
+
+
+def test_affine_op_passes_opcheck():
+    """The local pass is a custom op (one graph node when compiled): its fake shapes, schema
+    and autograd registration agree with the kernel."""
+    gen = torch.Generator().manual_seed(3)
+    length, heads, dim = 40, 2, 8
+    q, k = (torch.randn(1, length, heads, dim, generator=gen) for _ in range(2))
+    v = torch.randn(1, length, 2 * heads, 2 * dim, generator=gen)
+    g = -torch.rand(1, length, 2 * heads, generator=gen)
+    beta = torch.rand(1, length, 2 * heads, generator=gen)
+    starts = torch.zeros(2, length // 2, dtype=torch.bool)
+    starts[:, 0] = starts[0, 7] = True
+    initial = torch.randn(2, 2 * heads, dim, 2 * dim, generator=gen)
+    tensors = [t.requires_grad_() for t in (q, k, v, g, beta)]
+    op = torch.ops.titan_gdn.affine_gated_delta_rule_torch
+    torch.library.opcheck(op, (*tensors, padded_cu_seqlens(starts), initial, None))
