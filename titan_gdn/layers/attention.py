@@ -9,8 +9,8 @@ from torch import nn
 
 from titan_gdn.layers.norms import ZeroCenteredRMSNorm
 from titan_gdn.layers.rope import apply_partial_rope
-from titan_gdn.ops.attention import document_causal_attention
 from titan_gdn.parallel.head_sharding import NO_SHARDING
+from titan_gdn.parallel.state_passing import NO_STATE_PASSING
 
 if TYPE_CHECKING:  # layers take boundaries; the model package imports layers
     from titan_gdn.model.documents import DocumentBoundaries
@@ -30,6 +30,7 @@ class GatedAttention(nn.Module):
         self.head_dim = args.head_dim
         self.attn_backend = args.attn_backend
         self.heads = NO_SHARDING
+        self.states = NO_STATE_PASSING  # context parallel over sequence chunks: K, V gathered
         # q_proj carries, per head, the query and its output gate side by side.
         self.q_proj = nn.Linear(args.dim, 2 * args.n_heads * args.head_dim, bias=False)
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -60,15 +61,14 @@ class GatedAttention(nn.Module):
         return self.q_norm(q).flatten(2).unflatten(2, (self.groups, -1)), k, v, gate
 
     def mix(self, q, k, v, docs: DocumentBoundaries, rope) -> torch.Tensor:
-        """RoPE + document-causal attention over the whole sequence for the groups given."""
-        cos, sin = rope
+        """RoPE + document-causal attention over the whole sequence (with `self.states`, this
+        rank's chunk of queries) for the groups given."""
+        cos, sin = (self.states.rows(t) for t in rope)
         q = apply_partial_rope(
             q.unflatten(-1, (-1, self.head_dim)).flatten(2, 3).transpose(1, 2), cos, sin
         )
         k = apply_partial_rope(k.transpose(1, 2), cos, sin)
-        o = document_causal_attention(
-            q, k, v.transpose(1, 2), docs.document_ids, docs.block_mask, self.attn_backend
-        )
+        o = self.states.attention(q, k, v.transpose(1, 2), docs, self.attn_backend)
         return o.transpose(1, 2).flatten(2).unflatten(2, (k.shape[1], -1))
 
     def output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

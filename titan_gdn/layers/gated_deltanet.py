@@ -9,9 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_gdn.layers.norms import GatedRMSNorm
-from titan_gdn.ops.conv import causal_conv1d_silu
-from titan_gdn.ops.delta_rule import gated_delta_rule
 from titan_gdn.parallel.head_sharding import NO_SHARDING
+from titan_gdn.parallel.state_passing import NO_STATE_PASSING
 
 if TYPE_CHECKING:  # layers take boundaries; the model package imports layers
     from titan_gdn.model.documents import DocumentBoundaries
@@ -33,6 +32,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_backend = args.conv_backend
         self.delta_rule_backend = args.delta_rule_backend
         self.heads = NO_SHARDING
+        self.states = NO_STATE_PASSING  # context parallel over sequence chunks: state passing
         key_dim = self.num_k_heads * self.head_k_dim
         value_dim = self.num_v_heads * self.head_v_dim
         self.in_proj_qkv = nn.Linear(args.dim, 2 * key_dim + value_dim, bias=False)
@@ -65,30 +65,28 @@ class GatedDeltaNet(nn.Module):
         )
 
     def mix(self, q, k, v, a, b, docs: DocumentBoundaries) -> torch.Tensor:
-        """Conv + delta rule over the whole packed sequence for the groups given, output in
+        """Conv + delta rule over the packed sequence (the whole rows, or with `self.states` this
+        rank's chunk of them) for the groups given, output in
         group layout [B, T, G, r*Dv]. The per-head parameters used are this rank's slices, so a
         head meets its own filters, decay and step size."""
         batch, seq_len, groups, _ = q.shape
         v_heads = a.shape[2] * a.shape[3]
         # Packed layout for the varlen kernels: rows end to end, [1, B*T, channels].
         qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
-        qkv = causal_conv1d_silu(
-            qkv.view(1, batch * seq_len, -1),
-            self._local_conv_weight(),
-            docs.padded_cu_seqlens,
-            self.conv_backend,
+        qkv = self.states.causal_conv1d_silu(
+            qkv.view(1, batch * seq_len, -1), self._local_conv_weight(), docs, self.conv_backend
         )
         q, k, v = qkv.split([q[0, 0].numel(), k[0, 0].numel(), v[0, 0].numel()], dim=-1)
         A_log, dt_bias = self.heads.local(self.A_log), self.heads.local(self.dt_bias)
         g = -A_log.float().exp() * F.softplus(a.flatten(2).float() + dt_bias)
-        o = gated_delta_rule(
+        o = self.states.gated_delta_rule(
             q.view(1, -1, groups, self.head_k_dim),
             k.view(1, -1, groups, self.head_k_dim),
             v.view(1, -1, v_heads, self.head_v_dim),
             g.view(1, -1, v_heads),
             b.flatten(2).sigmoid().view(1, -1, v_heads),
-            docs.padded_cu_seqlens,
-            backend=self.delta_rule_backend,
+            docs,
+            self.delta_rule_backend,
         )
         return o.view(batch, seq_len, groups, -1)
 
