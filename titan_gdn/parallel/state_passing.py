@@ -58,7 +58,12 @@ class StatePassing:
         return x[:, start:end]
 
     def causal_conv1d_silu(self, x, weight, docs: DocumentBoundaries, backend):
-        """The GDN conv of x [1, B * Tc, C] (this rank's chunk of every row, end to end)."""
+        """The GDN conv of x [1, B * Tc, C] (this rank's chunk of every row, end to end).
+
+        FLA's conv takes a cp_context too (`fla.modules.causal_conv1d`), for its own kernels and
+        backward only; the halo in front of the chunk keeps whichever backend is picked
+        (causal_conv1d, or FLA's forward with our one-kernel backward) and costs K - 1 tokens.
+        """
         if self.mesh is None:
             return causal_conv1d_silu(x, weight, docs.padded_cu_seqlens, backend)
         halo = weight.shape[1] - 1
