@@ -21,11 +21,10 @@ op `titan_gdn::all_to_all` this module held before (commit 8dedaf6), DTensor / o
 | compiled | AC none | AC selective op | AC full |
 |---|---|---|---|
 | no | 508.1 / 508.1 | 404.5 / 404.5 | 300.6 / 320.7 |
-| yes (`aot_eager`) | 458.1 / 442.0 | 355.7 / 359.7 | 299.3 / 326.7 |
+| yes (`aot_eager`) | 446.0 / 442.0 | 355.7 / 359.7 | 299.3 / 326.7 |
 
-DTensor / op: within 3% or below at B=1 and B=2 but compiled without checkpointing at B=1,
-+3.6% (one GDN layer's exchanged tensor). B=2, the exchange on its own, the commands:
-docs/design.md.
+DTensor is within 3% of the op or below it at B=1 and B=2 in every mode, so the op is gone.
+B=2, how much identical steps vary, the exchange on its own, the commands: docs/design.md.
 
 Per-head parameters (`local`) stay plain slices of the unsharded parameter. As DTensors on
 the `cp` mesh they cannot be FSDP2 parameters over the flattened dp_shard x cp mesh
