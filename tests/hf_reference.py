@@ -45,14 +45,18 @@ def random_hf_model(modeling, config: dict, seed: int):
     hf_config._attn_implementation = "eager"
     model = modeling.Qwen3_5ForCausalLM(hf_config).float()
     perturb_norms_and_gates(model)
+    _moderate_decays(model)
+    return model
+
+
+def _moderate_decays(model) -> None:
+    """A in [0.01, 2]: with A near 16, transformers' fp32 in-chunk cumsum of the decay reaches
+    ~1e3 and its own dA_log is off by ~2e-4. That regime is tested against an fp64 recurrence
+    in test_delta_rule.py, not against transformers."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "A_log" in name:
-                # A in [0.01, 2]: with A near 16, transformers' fp32 in-chunk cumsum of the decay
-                # reaches ~1e3 and its own dA_log is off by ~2e-4. That regime is tested against
-                # an fp64 recurrence in test_delta_rule.py, not against transformers.
                 param.uniform_(math.log(0.01), math.log(2.0))
-    return model
 
 
 def tiny_moe_hf_config(family: str, **overrides) -> dict:
@@ -91,8 +95,5 @@ def random_hf_moe_model(modeling, family: str, config: dict, seed: int):
     hf_config._experts_implementation = "eager"
     model = getattr(modeling, model_cls)(hf_config).float()
     perturb_norms_and_gates(model)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "A_log" in name:
-                param.uniform_(math.log(0.01), math.log(2.0))
+    _moderate_decays(model)
     return model
