@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_train_qwen import REPO, _tensorboard, _train
+from tests.test_train_qwen import REPO, _five_steps_from_one_seed_checkpoint, _tensorboard, _train
 
 MOE_CONFIG = REPO / "train_configs" / "debug_moe.toml"
 
@@ -23,19 +23,7 @@ def _train_moe_ok(dump, *overrides: str, ngpu: int = 1):
 
 def test_expert_and_context_parallel_run_gives_the_single_process_losses(tmp_path):
     """ep = 2 x cp = 2 on 2 ranks vs 1 rank, from one seed checkpoint, same global batch."""
-    seed_run = (
-        "--checkpoint.enable",
-        "--checkpoint.create_seed_checkpoint",
-        "--parallelism.data_parallel_shard_degree", "1",
-    )  # fmt: skip
-    _train_moe_ok(tmp_path / "seed", *seed_run)
-    common = (
-        "--checkpoint.enable",
-        "--checkpoint.initial_load_path", str(tmp_path / "seed" / "checkpoint" / "step-0"),
-        "--checkpoint.interval", "1000",
-        "--training.steps", "5",
-        "--metrics.enable_tensorboard",
-    )  # fmt: skip
+    common = _five_steps_from_one_seed_checkpoint(_train_moe_ok, tmp_path)
     output, single = _train_moe_ok(tmp_path / "one", *common)
     assert "aux_loss: " in output
     _, sharded = _train_moe_ok(

@@ -157,22 +157,28 @@ def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path):
     assert float(whole_log[n][0]) < float(whole_log[1][0])
 
 
-def test_context_parallel_run_gives_the_losses_of_the_single_process_run(tmp_path):
-    """run_train.sh with cp=2 (2 ranks) vs cp=1 (1 rank), both from one seed checkpoint (on a
-    CPU mesh sharded init differs by rank count) and the same global batch."""
+def _five_steps_from_one_seed_checkpoint(train_ok, tmp_path) -> tuple[str, ...]:
+    """Writes a seed checkpoint (one rank) with `train_ok` under tmp_path/seed; the arguments
+    that train 5 steps from it, with TensorBoard on (the runs to compare give it their layout)."""
     seed_run = (
         "--checkpoint.enable",
         "--checkpoint.create_seed_checkpoint",
         "--parallelism.data_parallel_shard_degree", "1",
     )  # fmt: skip
-    _train_ok(tmp_path / "seed", *seed_run)
-    common = (
+    train_ok(tmp_path / "seed", *seed_run)
+    return (
         "--checkpoint.enable",
         "--checkpoint.initial_load_path", str(tmp_path / "seed" / "checkpoint" / "step-0"),
         "--checkpoint.interval", "1000",
         "--training.steps", "5",
         "--metrics.enable_tensorboard",
     )  # fmt: skip
+
+
+def test_context_parallel_run_gives_the_losses_of_the_single_process_run(tmp_path):
+    """run_train.sh with cp=2 (2 ranks) vs cp=1 (1 rank), both from one seed checkpoint (on a
+    CPU mesh sharded init differs by rank count) and the same global batch."""
+    common = _five_steps_from_one_seed_checkpoint(_train_ok, tmp_path)
     _, single = _train_ok(tmp_path / "cp1", *common)
     _, sharded = _train_ok(
         tmp_path / "cp2", *common, "--parallelism.context_parallel_degree", "2", ngpu=2
