@@ -60,3 +60,23 @@ def test_equals_create_block_mask(seq_len, lengths):
         torch.testing.assert_close(getattr(ours, field), getattr(reference, field), msg=field)
     # The dense masks agree too, token pair by token pair.
     assert torch.equal(ours.to_dense(), reference.to_dense())
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "queries"),
+    [(1024, (512, 768)), (1024, (0, 256)), (1000, (750, 1000)), (1024, (320, 512))],
+    ids=["middle", "first", "last-short", "unaligned"],
+)
+def test_query_range_equals_create_block_mask(seq_len, queries):
+    """Context parallel over sequence chunks: one chunk's queries against the keys before its
+    end, also where the chunk does not start on a block edge."""
+    gen = torch.Generator().manual_seed(seq_len + queries[0])
+    docs = DocumentBoundaries.from_tokens(_rows(gen, 2, seq_len, [1, 2, 127, 129, 300]), EOS)
+    start, end = queries
+    ours = document_causal_block_mask(docs.document_ids, queries)
+    mask_mod = document_causal_mask_mod(docs.document_ids, start)
+    reference = create_block_mask(mask_mod, 2, None, end - start, end, device="cpu")
+    assert ours.seq_lengths == reference.seq_lengths == (end - start, end)
+    for field in FIELDS:
+        torch.testing.assert_close(getattr(ours, field), getattr(reference, field), msg=field)
+    assert torch.equal(ours.to_dense(), reference.to_dense())

@@ -138,7 +138,9 @@ def test_bad_degrees_name_the_setting():
     problems = " ".join(job_config_problems(args, job))
     assert "training.seq_len = 100 is not divisible by" in problems
     assert "validation.enable = true is not supported yet" in problems
-    # The heads' split is the parallel package's rule; the whole-config check adds it.
+    # The heads' split is the parallel package's rule; the whole-config check adds it. (The
+    # default mode, "auto", would pass state passing over 3 chunks instead.)
+    job.parallelism.context_parallel_mode = "heads"
     problems = " ".join(configuration_problems(job, world_size=3))
     assert "linear_num_key_heads = 4" in problems
     assert "training.seq_len = 100 is not divisible by" in problems

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import titan_gdn.layers.attention as attention_layer
-import titan_gdn.layers.gated_deltanet as gdn_layer
+# The mixers call the ops through their sequence placement (`StatePassing`).
+import titan_gdn.parallel.state_passing as mixer_ops
 from tests.conftest import perturb_norms_and_gates, relative_error
 from tests.hf_reference import tiny_hf_config
 from titan_gdn.model import DocumentBoundaries, Qwen35Model, Qwen35ModelArgs
@@ -88,23 +88,23 @@ def _whole_row(cu_seqlens: torch.Tensor) -> torch.Tensor:
 def test_the_isolation_check_catches_a_boundary_ignored_in_one_op(monkeypatch, leak):
     """The check above must fail when any single op lets a document see the previous one."""
     if leak == "conv":
-        real = gdn_layer.causal_conv1d_silu
+        real = mixer_ops.causal_conv1d_silu
         monkeypatch.setattr(
-            gdn_layer, "causal_conv1d_silu", lambda x, w, cu, b: real(x, w, _whole_row(cu), b)
+            mixer_ops, "causal_conv1d_silu", lambda x, w, cu, b: real(x, w, _whole_row(cu), b)
         )
     elif leak == "delta_rule":
-        real = gdn_layer.gated_delta_rule
+        real = mixer_ops.gated_delta_rule
         monkeypatch.setattr(
-            gdn_layer,
+            mixer_ops,
             "gated_delta_rule",
             lambda q, k, v, g, beta, cu, backend: real(
                 q, k, v, g, beta, _whole_row(cu), backend=backend
             ),
         )
     else:
-        real = attention_layer.document_causal_attention
+        real = mixer_ops.document_causal_attention
         monkeypatch.setattr(
-            attention_layer,
+            mixer_ops,
             "document_causal_attention",
             lambda q, k, v, ids, mask, backend: real(q, k, v, torch.zeros_like(ids), None, backend),
         )

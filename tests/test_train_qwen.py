@@ -45,14 +45,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _train(dump: Path, *overrides: str, ngpu: int = 1, config: Path = DEBUG_CONFIG):
+def _train(
+    dump: Path, *overrides: str, ngpu: int = 1, config: Path = DEBUG_CONFIG, timeout: int = 300
+):
     """run_train.sh with `overrides`, showing every rank's output (a rank that fails, even at
     exit, must show why); returns (exit code, output, {step: (loss str, docs)}) with the steps
     read from rank 0's lines."""
     every_rank = ",".join(str(rank) for rank in range(ngpu))
     env = {**os.environ, "NGPU": str(ngpu), "CONFIG_FILE": str(config), "LOG_RANK": every_rank}
     command = ["bash", "run_train.sh", "--job.dump_folder", str(dump), *SMALL, *overrides]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
     output = result.stdout + result.stderr
     rank0 = "\n".join(line for line in output.splitlines() if not OTHER_RANK.match(line))
     steps = {
@@ -61,8 +65,8 @@ def _train(dump: Path, *overrides: str, ngpu: int = 1, config: Path = DEBUG_CONF
     return result.returncode, output, steps
 
 
-def _train_ok(dump: Path, *overrides: str, ngpu: int = 1):
-    code, output, steps = _train(dump, *overrides, ngpu=ngpu)
+def _train_ok(dump: Path, *overrides: str, ngpu: int = 1, timeout: int = 300):
+    code, output, steps = _train(dump, *overrides, ngpu=ngpu, timeout=timeout)
     assert code == 0, output[-6000:]
     return output, steps
 
@@ -189,6 +193,24 @@ def test_context_parallel_run_gives_the_losses_of_the_single_process_run(tmp_pat
     for step, loss in reference.items():
         assert abs(losses[step] - loss) <= 1e-4 * loss, (step, losses[step], loss)
     assert losses[5] < losses[1]
+
+
+def test_eight_rank_context_parallel_run_gives_the_losses_of_the_single_process_run(tmp_path):
+    """run_train.sh at cp=8 with the default settings: the debug model's 4 key heads do not
+    split 8 ways, so `context_parallel_mode = "auto"` runs heads 4 x states 2 (logged), and the
+    losses are cp=1's from one seed checkpoint (3 steps: eight processes on two cores are slow)."""
+    common = (*_five_steps_from_one_seed_checkpoint(_train_ok, tmp_path), "--training.steps", "3")
+    _train_ok(tmp_path / "cp1", *common)
+    # Eight processes on the CI's two cores: slower to start than the others.
+    output, sharded = _train_ok(
+        tmp_path / "cp8", *common, "--parallelism.context_parallel_degree", "8", ngpu=8, timeout=900
+    )
+    assert "Context parallel over 8 ranks: heads 4 x states 2" in output
+    assert sorted(sharded) == [1, 2, 3]
+    reference = _tensorboard(tmp_path / "cp1")["loss_metrics/global_avg_loss"]
+    losses = _tensorboard(tmp_path / "cp8")["loss_metrics/global_avg_loss"]
+    for step, loss in reference.items():
+        assert abs(losses[step] - loss) <= 1e-4 * loss, (step, losses[step], loss)
 
 
 def _hf_document_loss(hf_model, inputs, labels, eos_id) -> float:

@@ -27,6 +27,21 @@ class Training:
 
 
 @dataclass
+class Parallelism:
+    context_parallel_mode: str = "auto"
+    """How context_parallel_degree = N ranks share a row (docs/context_parallel.md):
+    "heads": each mixer exchanges head groups, so every rank mixes the whole row for 1/N of the
+    heads (the head counts must split N ways; best inside one NVLink domain); "states": each rank
+    keeps a contiguous chunk and the layers pass recurrent states, conv tokens and attention's
+    K, V across chunk boundaries (no divisibility rule; for many nodes); "auto": heads when
+    the head counts split N ways and the group fits in one node, else as many head groups as
+    split the heads within a node times sequence chunks. The choice is logged at start."""
+    context_parallel_heads_degree: int = 0
+    """The heads factor of context_parallel_degree in the two-dimensional split (heads inside
+    a node, states across nodes): N = heads x states; 0 lets context_parallel_mode decide."""
+
+
+@dataclass
 class Sample:
     prompt: str = ""
     """Text to continue with the trained model when training ends, printed with its
@@ -43,6 +58,7 @@ class Sample:
 class JobConfig:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
     sample: Sample = field(default_factory=Sample)
 
 

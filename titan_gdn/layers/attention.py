@@ -9,8 +9,8 @@ from torch import nn
 
 from titan_gdn.layers.norms import ZeroCenteredRMSNorm
 from titan_gdn.layers.rope import apply_partial_rope
-from titan_gdn.ops.attention import document_causal_attention
 from titan_gdn.parallel.head_sharding import NO_SHARDING
+from titan_gdn.parallel.state_passing import NO_STATE_PASSING
 
 if TYPE_CHECKING:  # layers take boundaries; the model package imports layers
     from titan_gdn.model.documents import DocumentBoundaries
@@ -34,6 +34,7 @@ class GatedAttention(nn.Module):
         self.head_dim = args.head_dim
         self.attn_backend = args.attn_backend
         self.heads = NO_SHARDING
+        self.states = NO_STATE_PASSING  # context parallel over sequence chunks: K, V gathered
         dim, head_dim = args.dim, args.head_dim
         self.qkv_proj = nn.Linear(dim, (args.n_heads + 2 * args.n_kv_heads) * head_dim, bias=False)
         self.gate_proj = nn.Linear(dim, args.n_heads * head_dim, bias=False)
@@ -63,17 +64,16 @@ class GatedAttention(nn.Module):
         return torch.cat([q, kv], dim=-1).flatten(2, 3)
 
     def mix(self, groups: torch.Tensor, docs: DocumentBoundaries, rope) -> torch.Tensor:
-        """q/k norms, RoPE and document-causal attention over the whole sequence for the
-        groups given; output per group [B, T, G, (H/G)*D]."""
+        """q/k norms, RoPE and document-causal attention over the whole sequence (with
+        `self.states`, this rank's chunk of queries) for the groups given; output per group
+        [B, T, G, (H/G)*D]."""
         head_dim = self.head_dim
         q, k, v = groups.split([groups.shape[-1] - 2 * head_dim, head_dim, head_dim], dim=-1)
         q = self.q_norm(q.unflatten(-1, (-1, head_dim)).flatten(2, 3))
-        cos, sin = rope
+        cos, sin = (self.states.rows(t) for t in rope)
         q = apply_partial_rope(q.transpose(1, 2), cos, sin)
         k = apply_partial_rope(self.k_norm(k).transpose(1, 2), cos, sin)
-        o = document_causal_attention(
-            q, k, v.transpose(1, 2), docs.document_ids, docs.block_mask, self.attn_backend
-        )
+        o = self.states.attention(q, k, v.transpose(1, 2), docs, self.attn_backend)
         return o.transpose(1, 2).flatten(2).unflatten(2, (k.shape[1], -1))
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_gdn.layers.norms import GatedRMSNorm
-from titan_gdn.ops.conv import causal_conv1d_silu
-from titan_gdn.ops.delta_rule import gated_delta_rule
 from titan_gdn.parallel.head_sharding import NO_SHARDING
+from titan_gdn.parallel.state_passing import NO_STATE_PASSING
 
 if TYPE_CHECKING:  # layers take boundaries; the model package imports layers
     from titan_gdn.model.documents import DocumentBoundaries
@@ -37,6 +36,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_backend = args.conv_backend
         self.delta_rule_backend = args.delta_rule_backend
         self.heads = NO_SHARDING
+        self.states = NO_STATE_PASSING  # context parallel over sequence chunks: state passing
         groups, value_dim = self.num_k_heads, self.num_v_heads * self.head_v_dim
         self.in_proj_qkvba = nn.Linear(args.dim, groups * sum(self.group_channels), bias=False)
         self.in_proj_z = nn.Linear(args.dim, value_dim, bias=False)
@@ -61,10 +61,10 @@ class GatedDeltaNet(nn.Module):
         return self.output(o, x)
 
     def mix(self, groups: torch.Tensor, docs: DocumentBoundaries) -> torch.Tensor:
-        """Conv + delta rule over the whole packed sequence for the groups given
-        ([B, T, G, group channels]), output in group layout [B, T, G, r*Dv]. The per-head
-        parameters used are this rank's slices, so a head meets its own filters, decay and
-        step size."""
+        """Conv + delta rule over the packed sequence (the whole rows, or with `self.states`
+        this rank's chunk of them) for the groups given ([B, T, G, group channels]), output in
+        group layout [B, T, G, r*Dv]. The per-head parameters used are this rank's slices, so
+        a head meets its own filters, decay and step size."""
         batch, seq_len, local_groups, _ = groups.shape
         q, k, v, b, a = groups.split(self.group_channels, dim=-1)
         # b and a in buffers of their own: the gate backward reads them after the delta rule's
@@ -74,23 +74,23 @@ class GatedDeltaNet(nn.Module):
         v_heads = local_groups * self.group_channels[3]
         # The kernels' layout, q | k | v per token: packed rows end to end, [1, B*T, channels].
         qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
-        qkv = causal_conv1d_silu(
+        qkv = self.states.causal_conv1d_silu(
             qkv.view(1, batch * seq_len, -1),
             self._conv_weight_in_kernel_layout(local_groups),
-            docs.padded_cu_seqlens,
+            docs,
             self.conv_backend,
         )
         q, k, v = qkv.split([q[0, 0].numel(), k[0, 0].numel(), v[0, 0].numel()], dim=-1)
         A_log, dt_bias = self.heads.local(self.A_log), self.heads.local(self.dt_bias)
         g = -A_log.float().exp() * F.softplus(a.flatten(2).float() + dt_bias)
-        o = gated_delta_rule(
+        o = self.states.gated_delta_rule(
             q.view(1, -1, local_groups, self.head_k_dim),
             k.view(1, -1, local_groups, self.head_k_dim),
             v.view(1, -1, v_heads, self.head_v_dim),
             g.view(1, -1, v_heads),
             b.flatten(2).sigmoid().view(1, -1, v_heads),
-            docs.padded_cu_seqlens,
-            backend=self.delta_rule_backend,
+            docs,
+            self.delta_rule_backend,
         )
         return o.view(batch, seq_len, local_groups, -1)
 

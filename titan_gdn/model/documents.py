@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
+from titan_gdn.ops.documents import padded_cu_seqlens
+
 
 @dataclass
 class DocumentBoundaries:
@@ -59,12 +61,8 @@ class DocumentBoundaries:
         document_ids = flat.cumsum(0) - 1
         # The start of each token's document, carried forward by a running max.
         doc_start = torch.where(flat, index, torch.zeros_like(index)).cummax(0).values
-        # Document d starts at the first token whose id reaches d; ids past the last document
-        # find none and give the end. Fixed shapes throughout, so no host sync.
-        slots = torch.arange(flat.numel() + 1, device=flat.device)
-        padded = torch.searchsorted(document_ids, slots, out_int32=True)
         return cls(
-            padded_cu_seqlens=padded,
+            padded_cu_seqlens=padded_cu_seqlens(starts),
             document_ids=document_ids.to(torch.int32).view_as(starts),
             position_ids=(index - doc_start).view_as(starts),
         )

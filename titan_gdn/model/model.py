@@ -97,10 +97,14 @@ class Qwen35Model(ModelProtocol):
         if not self.model_args.enable_weight_tying:
             nn.init.normal_(self.output.weight, mean=0.0, std=std)
 
-    def get_attention_masks(self, input_batch, tokenizer, extra_inputs=None) -> DocumentBoundaries:
+    def get_attention_masks(
+        self, input_batch, tokenizer, extra_inputs=None, queries: tuple[int, int] | None = None
+    ) -> DocumentBoundaries:
+        """The boundaries of the whole rows; with flex attention, the block mask of the queries
+        at positions `queries` = (start, end) of each row (default: all of them)."""
         docs = DocumentBoundaries.from_tokens(input_batch, tokenizer.eos_id)
         if resolve_attn_backend(input_batch.device, self.model_args.attn_backend) == "flex":
-            docs = docs.with_block_mask(document_causal_block_mask(docs.document_ids))
+            docs = docs.with_block_mask(document_causal_block_mask(docs.document_ids, queries))
         return docs
 
     def forward(

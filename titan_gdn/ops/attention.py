@@ -19,31 +19,39 @@ def resolve_attn_backend(device: torch.device, backend: str | None) -> str:
     )
 
 
-def document_causal_block_mask(document_ids: torch.Tensor) -> BlockMask:
+def document_causal_block_mask(
+    document_ids: torch.Tensor, queries: tuple[int, int] | None = None
+) -> BlockMask:
     """flex attention's BlockMask for document-causal attention over rows `document_ids` [B, T].
 
-    Built from where documents start and end, in (T/128)^2 small integer operations, where
-    `create_block_mask` evaluates the mask at every token pair: T^2 of them, on every cp rank
-    (each holds the whole sequence's mask), a cost that grows 4x per doubling of the length.
-    The result equals `create_block_mask`'s (tests/test_attention_mask.py).
+    `queries` = (start, end): the mask of the queries at positions start..end-1 against the
+    keys before `end` (context parallel over sequence chunks: a rank's queries see the earlier
+    chunks' keys); None: the whole row against itself.
+
+    Built from where documents start and end, in (Tq/128)(Tk/128) small integer operations,
+    where `create_block_mask` evaluates the mask at every token pair: T^2 of them, on every cp
+    rank (each holds the whole sequence's mask), a cost that grows 4x per doubling of the
+    length. The result equals `create_block_mask`'s (tests/test_attention_mask.py).
     """
-    seq_len = document_ids.shape[1]
-    partial, full = _document_causal_blocks(document_ids, BLOCK_SIZE)
+    start, end = queries or (0, document_ids.shape[1])
+    partial, full = _document_causal_blocks(document_ids, BLOCK_SIZE, start, end)
     return BlockMask.from_kv_blocks(
         *_ordered(partial),
         *_ordered(full),
         BLOCK_SIZE=BLOCK_SIZE,
-        mask_mod=document_causal_mask_mod(document_ids),
-        seq_lengths=(seq_len, seq_len),
+        mask_mod=document_causal_mask_mod(document_ids, start),
+        seq_lengths=(end - start, end),
     )
 
 
-def document_causal_mask_mod(document_ids: torch.Tensor):
-    """flex attention's mask_mod: a query sees keys of its own document up to itself."""
+def document_causal_mask_mod(document_ids: torch.Tensor, query_start: int = 0):
+    """flex attention's mask_mod: a query sees keys of its own document up to itself. Query i
+    sits at position `query_start` + i of the row."""
 
     def mask_mod(b, h, q_idx, kv_idx):
-        same_document = document_ids[b, q_idx] == document_ids[b, kv_idx]
-        return same_document & (kv_idx <= q_idx)
+        position = q_idx + query_start
+        same_document = document_ids[b, position] == document_ids[b, kv_idx]
+        return same_document & (kv_idx <= position)
 
     return mask_mod
 
@@ -51,27 +59,34 @@ def document_causal_mask_mod(document_ids: torch.Tensor):
 BLOCK_SIZE = 128  # flex attention's default sparse block
 
 
-def _document_causal_blocks(document_ids: torch.Tensor, size: int):
-    """[B, 1, Tq/size, Tkv/size] int8: blocks with some allowed pairs, blocks with all allowed.
+def _document_causal_blocks(document_ids: torch.Tensor, size: int, start: int, end: int):
+    """[B, 1, Tq/size, Tk/size] int8 for the queries start..end-1 and the keys before `end`:
+    blocks with some allowed pairs, blocks with all allowed.
 
     Document ids never decrease along a row, so a block holds a run of ids from its first
-    token's to its last's. Below the diagonal every key precedes every query: some pair is in
-    one document iff the key block ends in the document the query block starts in, and all
-    are iff the key block starts in the document the query block ends in. A block on the
-    diagonal always has allowed pairs (a token sees itself) and never only allowed ones; a
-    block cut short by the row end is never full (its padding is masked).
+    token's to its last's. A key block that ends before a query block starts has some pair in
+    one document iff it ends in the document the query block starts in, and all iff it starts
+    in the document the query block ends in. Blocks that share a token always have allowed
+    pairs (a token sees itself), and all of them only if that token is the key block's last
+    and the query block's first; a block cut short by the row end is never full (its padding
+    is masked).
     """
-    seq_len = document_ids.shape[1]
-    starts = torch.arange(0, seq_len, size, device=document_ids.device)
-    ends = (starts + size).clamp(max=seq_len)
-    first, last = document_ids[:, starts], document_ids[:, ends - 1]
-    block = torch.arange(len(starts), device=document_ids.device)
-    below = block[None, :] < block[:, None]  # [query block, key block]
-    some = below & (last[:, None, :] == first[:, :, None])
-    some |= (block[None, :] == block[:, None])[None]
-    complete = ends - starts == size
-    full = below & (first[:, None, :] == last[:, :, None])
-    full &= (complete[None, :] & complete[:, None])[None]
+    device = document_ids.device
+    q_starts = torch.arange(start, end, size, device=device)
+    q_ends = (q_starts + size).clamp(max=end)
+    k_starts = torch.arange(0, end, size, device=device)
+    k_ends = (k_starts + size).clamp(max=end)
+    q_first, q_last = document_ids[:, q_starts], document_ids[:, q_ends - 1]
+    k_first, k_last = document_ids[:, k_starts], document_ids[:, k_ends - 1]
+    # [query block, key block]
+    keys_before = (k_ends - 1)[None, :] < q_starts[:, None]
+    keys_not_after = (k_ends - 1)[None, :] <= q_starts[:, None]
+    shared = (k_starts[None, :] <= (q_ends - 1)[:, None]) & ~keys_before
+    some = keys_before & (k_last[:, None, :] == q_first[:, :, None])
+    some |= shared[None]
+    complete_q, complete_k = q_ends - q_starts == size, k_ends - k_starts == size
+    full = keys_not_after & (k_first[:, None, :] == q_last[:, :, None])
+    full &= (complete_k[None, :] & complete_q[:, None])[None]
     return (some & ~full).to(torch.int8)[:, None], full.to(torch.int8)[:, None]
 
 
@@ -95,18 +110,27 @@ def document_causal_attention(
     document_ids: torch.Tensor,
     block_mask: BlockMask | None,
     backend: str | None = None,
+    query_start: int = 0,
 ) -> torch.Tensor:
-    """Attention of q [B, H, T, D] over k, v [B, Hkv, T, D] (GQA when Hkv < H), scale D**-0.5."""
+    """Attention of q [B, H, Tq, D] over k, v [B, Hkv, Tk, D] (GQA when Hkv < H), scale
+    D**-0.5. The keys are the row's first Tk tokens and the queries its Tq tokens from
+    `query_start` (Tk = query_start + Tq: context parallel over sequence chunks); by default
+    both are the whole row. `block_mask`, for flex, must be that range's
+    (`document_causal_block_mask(document_ids, queries)`); None builds it."""
     backend = resolve_attn_backend(q.device, backend)
+    query_len, key_len = q.shape[2], k.shape[2]
     if backend == "flex":
         if block_mask is None:
-            block_mask = document_causal_block_mask(document_ids)
+            block_mask = document_causal_block_mask(
+                document_ids, (query_start, query_start + query_len)
+            )
         return _compiled_flex_attention(
             q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1]
         )
-    seq_len = q.shape[2]
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
-    same_document = document_ids[:, :, None] == document_ids[:, None, :]
+    query_position = torch.arange(query_start, query_start + query_len, device=q.device)
+    causal = torch.arange(key_len, device=q.device)[None, :] <= query_position[:, None]
+    query_documents = document_ids[:, query_start : query_start + query_len]
+    same_document = query_documents[:, :, None] == document_ids[:, None, :key_len]
     mask = (same_document & causal)[:, None]
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]

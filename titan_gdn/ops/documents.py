@@ -15,6 +15,16 @@ import torch
 FLA_CHUNK_SIZE = 64
 
 
+def padded_cu_seqlens(starts: torch.Tensor) -> torch.Tensor:
+    """int32 [B * T + 1] fixed-capacity boundaries of rows [B, T] laid end to end, from
+    `starts` [B, T] (True where a document starts; every row's first token must be one)."""
+    document_ids = starts.flatten().cumsum(0) - 1
+    # Document d starts at the first token whose id reaches d; ids past the last document
+    # find none and give the end. Fixed shapes throughout, so no host sync.
+    slots = torch.arange(document_ids.numel() + 1, device=starts.device)
+    return torch.searchsorted(document_ids, slots, out_int32=True)
+
+
 def token_documents(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The document of each of the first `num_tokens` tokens (int64 [num_tokens]): the last
     one starting at or before the token, so an empty document, which holds no token, is

@@ -28,12 +28,22 @@ from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 
 # Imported for their side effect too: the ops below are registered on import.
 from titan_gdn.ops import delta_rule  # noqa: F401
+from titan_gdn.ops.delta_rule import fla_cp_op, state_passing  # noqa: F401
+from titan_gdn.parallel import collectives  # noqa: F401
 
 OPS_TO_SAVE = _op_sac_save_list | {
     torch.ops.titan_gdn.gated_delta_rule_fla.default,
     torch.ops.titan_gdn.gated_delta_rule_torch.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._dtensor.shard_dim_alltoall.default,  # context parallel moves heads
+}
+# Context parallel over sequence chunks: the delta rule with its carried state, and the
+# exchanges (summaries, conv halo, attention's K and V), so backward sends nothing twice.
+OPS_TO_SAVE |= {
+    torch.ops.titan_gdn.gated_delta_rule_fla_cp.default,
+    torch.ops.titan_gdn.affine_gated_delta_rule_torch.default,
+    torch.ops.titan_gdn.all_gather.default,
+    torch.ops.titan_gdn.from_previous_rank.default,
 }
 
 

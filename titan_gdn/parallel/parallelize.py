@@ -42,10 +42,18 @@ def parallelize_qwen3_5(
     """Apply CP, EP, activation checkpointing, per-block compile and FSDP2 (in that order)."""
     _check_supported(parallel_dims)
     if parallel_dims.cp_enabled:
-        # Lazy: the CP module is only needed (and only imported) when cp > 1.
-        from titan_gdn.parallel.context_parallel import apply_context_parallel
+        # Lazy: the CP modules are only needed (and only imported) when cp > 1.
+        from titan_gdn.parallel.cp_layout import (
+            apply_context_parallel_layout,
+            choose_layout,
+            context_parallel_split,
+        )
 
-        apply_context_parallel(model, parallel_dims.get_mesh("cp"))
+        split = context_parallel_split(job_config)
+        split.pop("seq_len")
+        split["degree"] = parallel_dims.cp
+        layout = choose_layout(model.model_args, **split)
+        apply_context_parallel_layout(model, parallel_dims.get_mesh("cp"), layout)
     if parallel_dims.ep_enabled:
         from titan_gdn.parallel.expert_parallel import apply_expert_parallel
 

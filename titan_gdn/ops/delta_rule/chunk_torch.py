@@ -40,17 +40,45 @@ def chunk_gated_delta_rule_torch(
     Same contract as :func:`titan_gdn.ops.delta_rule.gated_delta_rule`. Computes in fp32, or in
     fp64 when given fp64 inputs.
     """
+    return chunk_gated_delta_rule_torch_with_states(
+        q, k, v, g, beta, cu_seqlens, None, scale, chunk_size
+    )[0]
+
+
+def chunk_gated_delta_rule_torch_with_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same over R rows of T / R tokens laid end to end, each row continuing a document
+    that began before it: (o, final_state).
+
+    `initial_state` [R, Hv, Dk, Dv] (None: zeros, R = 1) enters the first document of each
+    row, which must start a document in `cu_seqlens`; `final_state` [R, Hv, Dk, Dv] (fp32, or
+    fp64) is the state after each row's last token. Documents inside a row start from zero.
+    """
     dtype = torch.promote_types(v.dtype, torch.float32)
     value_heads, key_dim = v.shape[2], k.shape[3]
     scale = key_dim**-0.5 if scale is None else scale
     layout = DocumentChunkLayout.build(cu_seqlens, v.shape[1], chunk_size)
+    if initial_state is None:
+        initial_state = v.new_zeros(1, value_heads, key_dim, v.shape[3], dtype=dtype)
     q = _unit_norm(q[0].to(dtype)).repeat_interleave(value_heads // q.shape[2], dim=1) * scale
     k = _unit_norm(k[0].to(dtype)).repeat_interleave(value_heads // k.shape[2], dim=1)
     chunks = [
         layout.to_chunks(x) for x in (q, k, v[0].to(dtype), g[0].to(dtype), beta[0].to(dtype))
     ]
-    out = _scan_chunks(_intra_chunk_terms(*chunks), layout.carry.to(dtype))
-    return layout.from_chunks(out)[None].to(v.dtype)
+    rows = layout.row_chunks(initial_state.shape[0])
+    out, final_state = _scan_chunks(
+        _intra_chunk_terms(*chunks), layout.carry.to(dtype), initial_state.to(dtype), rows
+    )
+    return layout.from_chunks(out)[None].to(v.dtype), final_state
 
 
 @dataclass(frozen=True)
@@ -82,6 +110,19 @@ class DocumentChunkLayout:
         carry = torch.ones(num_chunks + 1, device=bounds.device)
         carry = carry.index_fill(0, padded_starts[:-1] // chunk_size, 0.0)[:num_chunks]
         return cls(position, carry, num_chunks, chunk_size)
+
+    def row_chunks(self, rows: int) -> tuple[list[int], list[int]]:
+        """The chunk where each of `rows` equal rows starts, and the one holding its last
+        token (a host sync; the scan runs on the host anyway)."""
+        num_tokens = self.position.shape[0]
+        if num_tokens % rows:
+            raise ValueError(f"{rows} rows do not split {num_tokens} tokens evenly")
+        row_len = num_tokens // rows
+        starts = self.position[::row_len] // self.chunk_size
+        if not bool((self.carry[starts] == 0).all()):
+            raise ValueError("every row must start a document in cu_seqlens")
+        ends = self.position[row_len - 1 :: row_len] // self.chunk_size
+        return starts.tolist(), ends.tolist()
 
     def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H, ...] -> [H, num_chunks, chunk_size, ...], zeros in the padding."""
@@ -122,20 +163,34 @@ def _intra_chunk_terms(q, k, v, g, beta):
     }
 
 
-def _scan_chunks(terms: dict[str, torch.Tensor], carry: torch.Tensor) -> torch.Tensor:
+def _scan_chunks(
+    terms: dict[str, torch.Tensor],
+    carry: torch.Tensor,
+    initial_state: torch.Tensor,
+    rows: tuple[list[int], list[int]],
+) -> tuple[torch.Tensor, torch.Tensor]:
     heads, _, _, key_dim = terms["k_to_chunk_end"].shape
     value_dim = terms["new_values"].shape[-1]
     state = terms["new_values"].new_zeros(heads, key_dim, value_dim)
+    entering = {chunk: row for row, chunk in enumerate(rows[0])}
+    leaving = {chunk: row for row, chunk in enumerate(rows[1])}
+    final_states = [None] * len(rows[1])
     # unbind, not x[:, n]: autograd then stacks one gradient per term instead of adding a
     # full-size zero tensor per chunk, which made the backward quadratic in the chunk count.
     chunks = zip(carry.unbind(0), *(terms[name].unbind(1) for name in _SCAN_TERMS), strict=True)
     outputs = []
-    for keep, q_decayed, scores, state_weights, new_values, k_to_end, chunk_decay in chunks:
+    for n, (keep, q_decayed, scores, state_weights, new_values, k_to_end, chunk_decay) in enumerate(
+        chunks
+    ):
         state = state * keep
+        if n in entering:
+            state = state + initial_state[entering[n]]
         new_values = new_values - state_weights @ state
         outputs.append(q_decayed @ state + scores @ new_values)
         state = state * chunk_decay + k_to_end.mT @ new_values
-    return torch.stack(outputs, dim=1)
+        if n in leaving:
+            final_states[leaving[n]] = state
+    return torch.stack(outputs, dim=1), torch.stack(final_states)
 
 
 _SCAN_TERMS = (
