@@ -221,6 +221,8 @@ def test_every_problem_of_a_bad_config_is_reported_at_once(tmp_path):
     job_config = _job_config(
         "--job.dump_folder", str(tmp_path),
         "--parallelism.context_parallel_degree", "3",
+        # Head sharding, so that the heads' rules apply ("auto" would pass 3 sequence chunks).
+        "--parallelism.context_parallel_mode", "heads",
         "--parallelism.tensor_parallel_degree", "2",
         "--training.seq_len", "130",
         "--training.global_batch_size", "5",
