@@ -36,6 +36,9 @@ def test_grouped_mm_experts_match_the_fp32_loop(flavor, tokens, compiled):
     reference = _block(flavor, "loop")
     grouped = copy.deepcopy(reference)
     grouped.experts.backend = "grouped_mm"
+    # Under autocast the router's GEMM runs in bf16 and picks other experts at near ties; this
+    # test is about the experts, so both blocks route in fp32 and pick the same ones.
+    grouped.gate.forward = torch.autocast("cuda", enabled=False)(grouped.gate.forward)
     if compiled:  # as parallelize compiles an MoE block: all but the routed experts
         for name in ("gate", "shared_expert", "shared_expert_gate"):
             setattr(grouped, name, torch.compile(getattr(grouped, name), fullgraph=True))
@@ -43,7 +46,7 @@ def test_grouped_mm_experts_match_the_fp32_loop(flavor, tokens, compiled):
     want = _outputs_and_grads(reference, x)
     with torch.autocast("cuda", torch.bfloat16):
         got = _outputs_and_grads(grouped, x)
-    assert torch.equal(got[1], want[1])  # the router runs in fp32 in both: same experts
+    assert torch.equal(got[1], want[1])
     errors = {"out": relative_error(got[0], want[0]), "x": relative_error(got[2], want[2])}
     errors |= {name: relative_error(got[3][name], want[3][name]) for name in want[3]}
     print({k: f"{v:.2e}" for k, v in errors.items()})
