@@ -113,3 +113,30 @@ def test_the_last_step_checkpoint_samples_and_resumes(quickstart):
 
 def _resumed_steps(output: str) -> list[int]:
     return [int(m.group(1)) for m in re.finditer(r"step:\s*(\d+)\s+loss:.*progress: ", output)]
+
+
+@pytest.mark.parametrize(
+    "message, shown",
+    [
+        (
+            "Error running lspci: [Errno 2] No such file or directory: 'lspci', fallback to use "
+            "device_name",
+            False,
+        ),
+        (
+            "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3 based on job config",
+            False,
+        ),
+        ("torchtitan version: 0.2.2 (0.0.0 means __version__ is not defined correctly).", False),
+        ("Warmup steps (200) exceed total steps (30). Adjusting warmup steps to 30.", True),
+    ],
+)
+def test_console_drops_what_a_gpu_run_cannot_act_on(message, shown):
+    """The GPU-side start-up lines the CPU quickstart never prints: torchtitan's lspci probe
+    (absent in containers; the device name names the GPU) and its NCCL variable override."""
+    import logging
+
+    from titan_gdn.trainer import QuietConsole
+
+    record = logging.LogRecord("root", logging.WARNING, __file__, 0, message, None, None)
+    assert QuietConsole().filter(record) is shown

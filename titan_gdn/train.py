@@ -36,7 +36,6 @@ def main() -> None:
     from titan_gdn.trainer import QUIET_CONSOLE, Qwen35Trainer
 
     # On torchtitan's (root) logger itself: its init_logger replaces handlers, not filters.
-    QUIET_CONSOLE.on_cpu = on_cpu
     logger.addFilter(QUIET_CONSOLE)
 
     # torchtitan's own main: init_logger, ConfigManager().parse_args(), Trainer, train,

@@ -32,14 +32,15 @@ class QuietConsole(logging.Filter):
     """Drops or shortens torchtitan's start-up records that tell a user nothing to act on:
     the version line, the model arguments as 40 lines of JSON (written to
     `job.dump_folder`/model_args.json instead), the missing safetensors index that only an HF
-    export would use, and, on CPU, the peak FLOPS (there is none) and the NCCL error-handling
-    variable (gloo does not read it). Installed on torchtitan's (root) logger by
+    export would use, the peak FLOPS on CPU (there is none), torchtitan's failed `lspci` probe
+    (it falls back to the device name, which names the GPU) and its override of the NCCL
+    error-handling variable (container images preset it; torchtitan always sets the value its
+    flight recorder needs, and gloo does not read it). Installed on torchtitan's (root) logger by
     titan_gdn.train; the trainer tells it what the run writes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.hf_export = False
-        self.on_cpu = False
         self.model_args_path = MODEL_ARGS_FILE
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -50,7 +51,7 @@ class QuietConsole(logging.Filter):
             return self.hf_export
         if message == "Peak FLOPS used for computing MFU: nan":
             return False
-        if self.on_cpu and message.startswith("ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING]"):
+        if message.startswith(("ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING]", "Error running lspci")):
             return False
         if message.startswith("Building ") and "with {" in message:
             # torchtitan's train.py:143 joins the flavor and "with" without a space.
