@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from torch import nn
@@ -477,30 +477,34 @@ class Qwen35Flavors(Mapping[str, Qwen35ModelArgs]):
         return len(self._flavors)
 
 
-# Published Qwen3.5 text configs (dense). The debug model is tiny but keeps both layer types,
-# grouped value heads and fewer KV heads than attention heads, so every code path is exercised.
+# The debug model is tiny but keeps both layer types, grouped value heads and fewer KV heads
+# than attention heads, so every code path is exercised.
+_DEBUG_MODEL = Qwen35ModelArgs(
+    dim=256,
+    n_layers=4,
+    vocab_size=2048,
+    hidden_dim=512,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=64,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    # 128 as in the published sizes: FLA's Hopper backward is lifted only for 128-wide
+    # tiles.
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    max_seq_len=131072,
+    # Chunked although the vocabulary is small, so the debug config trains through
+    # the chunked loss; 200 divides no batch, so a short last chunk is exercised too.
+    loss_chunk_tokens=200,
+)
+
+
+# Published Qwen3.5 text configs (dense), and the debug model.
 # "from_hf_config" reads the shape from model.hf_assets_path/config.json instead.
 qwen3_5_args: Mapping[str, Qwen35ModelArgs] = Qwen35Flavors(
     {
-        "debugmodel": Qwen35ModelArgs(
-            dim=256,
-            n_layers=4,
-            vocab_size=2048,
-            hidden_dim=512,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=64,
-            linear_num_key_heads=4,
-            linear_num_value_heads=8,
-            # 128 as in the published sizes: FLA's Hopper backward is lifted only for 128-wide
-            # tiles.
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            max_seq_len=131072,
-            # Chunked although the vocabulary is small, so the debug config trains through
-            # the chunked loss; 200 divides no batch, so a short last chunk is exercised too.
-            loss_chunk_tokens=200,
-        ),
+        "debugmodel": _DEBUG_MODEL,
         "0.8B": _flavor(1024, 24, 8, 2, 3584, 16, tied=True),
         "2B": _flavor(2048, 24, 8, 2, 6144, 16, tied=True),
         "4B": _flavor(2560, 32, 16, 4, 9216, 32, tied=True),
@@ -521,19 +525,8 @@ qwen3_5_args: Mapping[str, Qwen35ModelArgs] = Qwen35Flavors(
         "35B-A3B-4layers": _moe_flavor(2048, 4, 16, 32, experts=256, top_k=8, expert_dim=512),
         # The debug model with 8 experts, top-2, in every layer: trains on CPU, and 8 experts
         # split over 2 or 4 expert-parallel ranks.
-        "debugmoe": Qwen35ModelArgs(
-            dim=256,
-            n_layers=4,
-            vocab_size=2048,
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=64,
-            linear_num_key_heads=4,
-            linear_num_value_heads=8,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            max_seq_len=131072,
-            loss_chunk_tokens=200,
+        "debugmoe": replace(
+            _DEBUG_MODEL,
             num_experts=8,
             num_experts_per_tok=2,
             moe_hidden_dim=128,
