@@ -8,8 +8,10 @@ import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from titan_gdn.cpu import use_cpu_if_no_accelerator
+from titan_gdn.model import DocumentBoundaries
 
 
 def _free_port() -> int:
@@ -38,3 +40,31 @@ def run_on_ranks(world_size: int, fn, *args) -> None:
     mp.spawn(_worker, args=(world_size, _free_port(), fn, args, errors), nprocs=world_size)
     if not errors.empty():
         raise AssertionError(errors.get())
+
+
+def rank_rows_and_tokens(dims, seq_len: int, rows_per_rank: int = 2) -> tuple[slice, slice]:
+    """This rank's part of a global batch: its data-parallel rows and its cp chunk of tokens."""
+    dp_rank = dims.get_mesh("batch").get_local_rank() if dims.dp_shard > 1 else 0
+    cp_rank = dims.get_mesh("cp").get_local_rank() if dims.cp > 1 else 0
+    rows = slice(rows_per_rank * dp_rank, rows_per_rank * (dp_rank + 1))
+    tokens = slice(cp_rank * seq_len // dims.cp, (cp_rank + 1) * seq_len // dims.cp)
+    return rows, tokens
+
+
+def reference_and_rank_logits(reference, model, batch, dims, eos: int):
+    """Forward and backward of the next-token cross-entropy, summed and divided by the global
+    token count: `reference` on the whole batch, `model` on this rank's rows and tokens, with
+    the document boundaries of the rank's whole rows. Returns (reference logits of this
+    rank's part, the rank's logits)."""
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    total_tokens = labels.numel()
+    ref_logits = reference(inputs, attention_masks=DocumentBoundaries.from_tokens(inputs, eos))
+    F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), reduction="sum").div(
+        total_tokens
+    ).backward()
+    rows, tokens = rank_rows_and_tokens(dims, inputs.shape[1])
+    docs = DocumentBoundaries.from_tokens(inputs[rows], eos)  # global: the rank's whole rows
+    logits = model(inputs[rows, tokens], attention_masks=docs)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels[rows, tokens].flatten(), reduction="sum")
+    (loss / total_tokens).backward()
+    return ref_logits[rows, tokens], logits

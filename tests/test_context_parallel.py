@@ -17,13 +17,12 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
 
 from tests.conftest import perturbed_debug_model, relative_error
-from tests.distributed import run_on_ranks
-from titan_gdn.model import DocumentBoundaries, qwen3_5_args
+from tests.distributed import reference_and_rank_logits, run_on_ranks
+from titan_gdn.model import qwen3_5_args
 from titan_gdn.model.args import job_config_problems
 from titan_gdn.parallel import parallelize
 from titan_gdn.parallel.context_parallel import context_parallel_problems
@@ -82,26 +81,12 @@ def _check_cp_matches_single_process(rank, world_size, dp_shard, cp, heads=None)
     dims.build_mesh()
     model = parallelize_qwen3_5(model, dims, _fp64_job_config())
 
-    batch = _global_batch(rows=2 * dp_shard)
-    inputs, labels = batch[:, :-1], batch[:, 1:]
-    total_tokens = labels.numel()
-
-    ref_logits = reference(inputs, attention_masks=DocumentBoundaries.from_tokens(inputs, EOS))
-    F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), reduction="sum").div(
-        total_tokens
-    ).backward()
-
-    dp_rank = dims.get_mesh("batch").get_local_rank() if dp_shard > 1 else 0
-    cp_rank = dims.get_mesh("cp").get_local_rank()
-    rows = slice(2 * dp_rank, 2 * dp_rank + 2)
-    tokens = slice(cp_rank * SEQ_LEN // cp, (cp_rank + 1) * SEQ_LEN // cp)
-    docs = DocumentBoundaries.from_tokens(inputs[rows], EOS)  # global: the rank's whole rows
-    logits = model(inputs[rows, tokens], attention_masks=docs)
-    loss = F.cross_entropy(logits.flatten(0, 1), labels[rows, tokens].flatten(), reduction="sum")
-    (loss / total_tokens).backward()
+    ref_logits, logits = reference_and_rank_logits(
+        reference, model, _global_batch(rows=2 * dp_shard), dims, EOS
+    )
 
     assert logits.dtype == torch.float64  # nothing on the way cast to fp32
-    assert relative_error(logits, ref_logits[rows, tokens]) <= BOUND
+    assert relative_error(logits, ref_logits) <= BOUND
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         reference_name = name.replace("_checkpoint_wrapped_module.", "")

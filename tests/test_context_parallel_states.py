@@ -13,7 +13,7 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 
 from tests.conftest import perturbed_debug_model, relative_error
-from tests.distributed import run_on_ranks
+from tests.distributed import reference_and_rank_logits, run_on_ranks
 from titan_gdn.model import DocumentBoundaries, qwen3_5_args
 from titan_gdn.parallel.cp_layout import (
     apply_context_parallel_layout,
@@ -73,25 +73,12 @@ def _check_matches_single_process(rank, world_size, dp_shard, cp, mode, heads_de
     else:
         model = parallelize_qwen3_5(model, dims, _job_config(mode, heads_degree))
 
-    batch = _global_batch(rows=2 * dp_shard)
-    inputs, labels = batch[:, :-1], batch[:, 1:]
-    total_tokens = labels.numel()
-    ref_logits = reference(inputs, attention_masks=DocumentBoundaries.from_tokens(inputs, EOS))
-    F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), reduction="sum").div(
-        total_tokens
-    ).backward()
-
-    dp_rank = dims.get_mesh("batch").get_local_rank() if dp_shard > 1 else 0
-    cp_rank = cp_mesh.get_local_rank()
-    rows = slice(2 * dp_rank, 2 * dp_rank + 2)
-    tokens = slice(cp_rank * SEQ_LEN // cp, (cp_rank + 1) * SEQ_LEN // cp)
-    docs = DocumentBoundaries.from_tokens(inputs[rows], EOS)  # global: the rank's whole rows
-    logits = model(inputs[rows, tokens], attention_masks=docs)
-    loss = F.cross_entropy(logits.flatten(0, 1), labels[rows, tokens].flatten(), reduction="sum")
-    (loss / total_tokens).backward()
+    ref_logits, logits = reference_and_rank_logits(
+        reference, model, _global_batch(rows=2 * dp_shard), dims, EOS
+    )
 
     tolerance = 1e-6 if exact else 1e-5
-    assert relative_error(logits, ref_logits[rows, tokens]) <= tolerance
+    assert relative_error(logits, ref_logits) <= tolerance
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         if exact:

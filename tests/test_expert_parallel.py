@@ -10,7 +10,7 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 
 from tests.conftest import perturbed_debug_model, relative_error
-from tests.distributed import run_on_ranks
+from tests.distributed import rank_rows_and_tokens, run_on_ranks
 from titan_gdn.loss import qwen3_5_loss
 from titan_gdn.model import DocumentBoundaries, Qwen35Model, qwen3_5_args
 from titan_gdn.parallel.expert_parallel import expert_parallel_problems
@@ -60,10 +60,7 @@ def _check_matches_single_process(rank, world_size, dp_shard, cp, ep):
     )
     (qwen3_5_loss(ref_pred, labels) / real_tokens).backward()
 
-    dp_rank = dims.get_mesh("batch").get_local_rank() if dp_shard > 1 else 0
-    cp_rank = dims.get_mesh("cp").get_local_rank() if cp > 1 else 0
-    rows = slice(2 * dp_rank, 2 * dp_rank + 2)
-    tokens = slice(cp_rank * SEQ_LEN // cp, (cp_rank + 1) * SEQ_LEN // cp)
+    rows, tokens = rank_rows_and_tokens(dims, SEQ_LEN)
     docs = DocumentBoundaries.from_tokens(inputs[rows], EOS)
     pred = model(inputs[rows, tokens], attention_masks=docs, chunked_loss=True)
     group = dims.get_mesh("loss").get_group()
