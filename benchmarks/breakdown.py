@@ -15,10 +15,11 @@ backward node carries the sequence number of the forward op that made it, which 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import re
 import statistics
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 from torch.autograd import DeviceType
 from torch.autograd.profiler import record_function
@@ -264,25 +265,29 @@ def _is_collective(name: str) -> bool:
 
 
 def _kernel_samples(events, cpu_ops):
-    """(name, launching op, us) for each kernel, copy and memset on the device."""
+    """(name, launching op, us) for each kernel, copy and memset on the device, once each."""
     # A device event's `linked_correlation_id` is the `id` of the op that launched it, but the
     # CUDA API calls among the CPU events have ids from CUPTI's own count, which collide with
     # the ops' (and torch 2.11 keeps no such link on the event): read torch's own association,
-    # each op's `kernels`.
-    attached: Counter = Counter()
-    for op in cpu_ops:
+    # each op's `kernels`. Those lists name no event, only (name, duration), and where ids
+    # collide an op's list also holds kernels that another op launched. So each device event
+    # is claimed once: ops in time order, each takes the earliest unclaimed event of its
+    # kernel's name and duration that starts after the op does (work runs after its launch).
+    unclaimed = defaultdict(list)
+    for e in sorted(device_work(events), key=lambda e: e.time_range.start):
+        unclaimed[e.name, e.time_range.elapsed_us()].append(e.time_range.start)
+    for op in sorted(cpu_ops, key=lambda op: op.time_range.start):
         if _launches_kernels(op):
             for kernel in op.kernels:
-                attached[kernel.name, kernel.duration] += 1
-                yield kernel.name, op, kernel.duration
-    # Work launched outside any op is in no list; the lists name no event, so what is left
-    # over is told by name and duration. It counts by its name alone.
-    for e in device_work(events):
-        us = e.time_range.elapsed_us()
-        if attached[e.name, us]:
-            attached[e.name, us] -= 1
-        else:
-            yield e.name, None, us
+                starts = unclaimed.get((kernel.name, kernel.duration))
+                first = bisect.bisect_left(starts, op.time_range.start) if starts else 0
+                if starts and first < len(starts):
+                    del starts[first]
+                    yield kernel.name, op, kernel.duration
+    # Work launched outside any op is in no list: what is left over counts by its name alone.
+    for (name, us), starts in unclaimed.items():
+        for _ in starts:
+            yield name, None, us
 
 
 # CUDA runtime and driver calls (cudaLaunchKernel, cuLaunchKernelEx, cudaStreamWaitEvent).

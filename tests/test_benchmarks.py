@@ -361,7 +361,7 @@ def _one_exchange_each_way():
     to_heads = _event(4, "_dtensor::shard_dim_alltoall", 20, 30, compiled, shapes=sent)
     engine = _event(6, "autograd::engine::evaluate_function: CompiledFunctionBackward", 200, 300)
     backward = _event(7, "CompiledFunctionBackward", 201, 299, engine, seq=7)
-    to_tokens = _event(8, "_dtensor::shard_dim_alltoall", 210, 220, backward, shapes=sent)
+    to_tokens = _event(8, "_dtensor::shard_dim_alltoall", 208, 220, backward, shapes=sent)
     kernels = [
         _kernel(9, "ncclDevKernel_SendRecv", 21, 26, to_heads),
         _kernel(10, "chunk_fwd_kernel_o", 41, 51),
@@ -445,6 +445,28 @@ def test_gpu_kernels_follow_torchs_links_not_colliding_ids():
     block_ms = result["layers_ms"]["linear_attention"]
     assert {k: v for k, v in block_ms.items() if v} == {"delta_rule": 0.01, "other": 0.005}
     assert result["busy_ms"] == 0.027  # the kernels alone, not the range's span over the gap
+
+
+def test_a_kernel_listed_by_two_ops_counts_once_under_the_one_it_can_follow():
+    """Where ids collide, a later op (here the optimizer's) also lists kernels that ran before
+    it started: they stay with their launcher, and the summed kernel time stays the busy time."""
+    from benchmarks.breakdown import step_breakdown
+
+    rule = _event(1, "titan_gdn::gated_delta_rule_fla", 0, 20)
+    loss = _event(2, "bench::loss", 30, 60, is_user_annotation=True)
+    mm = _event(3, "aten::mm", 31, 40, loss)
+    optimizer = _event(4, "Optimizer.step#AdamW.step", 100, 200, is_user_annotation=True)
+    fused = _event(5, "aten::_fused_adamw_", 101, 190, optimizer)
+    kernels = [
+        _kernel(10, "chunk_fwd_kernel_o", 5, 15, rule, fused),
+        _kernel(11, "nvjet_hsh_256x128", 35, 45, mm, fused),
+        _kernel(12, "multi_tensor_apply_kernel", 105, 125, fused),
+        _kernel(13, "chunk_fwd_kernel_o", 130, 140, fused),  # a second launch, the same shape
+    ]
+    result = step_breakdown([rule, loss, mm, optimizer, fused, *kernels], ["x"], cuda=True)
+    expected = {"delta_rule": 0.01, "loss": 0.01, "optimizer": 0.03}
+    assert {k: v for k, v in result["categories_ms"].items() if v} == expected
+    assert sum(result["categories_ms"].values()) == result["busy_ms"] == 0.05
 
 
 def test_every_checkpointing_mode_runs_its_cp_degrees_back_to_back():
