@@ -46,7 +46,8 @@ def test_grouped_mm_experts_match_the_fp32_loop(flavor, tokens, compiled):
     want = _outputs_and_grads(reference, x)
     with torch.autocast("cuda", torch.bfloat16):
         got = _outputs_and_grads(grouped, x)
-    assert torch.equal(got[1], want[1])
+    mismatched = (got[1] != want[1]).any(-1).sum().item()
+    assert mismatched == 0, f"{mismatched} of {tokens} tokens routed to other experts"
     errors = {"out": relative_error(got[0], want[0]), "x": relative_error(got[2], want[2])}
     errors |= {name: relative_error(got[3][name], want[3][name]) for name in want[3]}
     print({k: f"{v:.2e}" for k, v in errors.items()})
