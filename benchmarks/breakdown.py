@@ -279,9 +279,9 @@ def _kernel_samples(events, cpu_ops):
     for op in sorted(cpu_ops, key=lambda op: op.time_range.start):
         if _launches_kernels(op):
             for kernel in op.kernels:
-                starts = unclaimed.get((kernel.name, kernel.duration))
-                first = bisect.bisect_left(starts, op.time_range.start) if starts else 0
-                if starts and first < len(starts):
+                starts = unclaimed.get((kernel.name, kernel.duration), [])
+                first = bisect.bisect_left(starts, op.time_range.start)
+                if first < len(starts):
                     del starts[first]
                     yield kernel.name, op, kernel.duration
     # Work launched outside any op is in no list: what is left over counts by its name alone.

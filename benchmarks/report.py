@@ -334,7 +334,7 @@ def _one_gpu_targets(results: dict, sources: Sources, plots: dict) -> list[str]:
     for name, data in results.get("throughput", []):
         theirs = data.get("transformers", [])
         for r in _ok(data["results"]):
-            tried = _find(theirs, flavor=r["flavor"], seq_len=r["seq_len"])
+            tried = _transformers_for(theirs, r)
             if not (_is_trainer(r) and r["gpus"] == 1 and tried and "breakdown" in r):
                 continue
             key = (r["flavor"], r["seq_len"])
@@ -363,12 +363,7 @@ def _one_gpu_targets(results: dict, sources: Sources, plots: dict) -> list[str]:
 
 
 def _one_gpu_row(name: str, data: dict, r: dict, sources: Sources) -> list:
-    tried = [
-        t
-        for t in data["transformers"]
-        if (t["flavor"], t["seq_len"]) == (r["flavor"], r["seq_len"])
-    ]
-    fits = _ok(tried)
+    fits = _ok(_transformers_for(data["transformers"], r))
     if fits:
         best = max(fits, key=lambda t: t["tokens_per_s_per_gpu"])
         mode = "checkpointing" if best["gradient_checkpointing"] else "no checkpointing"
@@ -376,14 +371,13 @@ def _one_gpu_row(name: str, data: dict, r: dict, sources: Sources) -> list:
         speedup = _ratio(r["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"])
     else:
         theirs, speedup = "out of memory", "fits only ours"
-    breakdown = r["breakdown"]
-    busy, step_ms = breakdown["busy_ms"], r["step_time_s"] * 1000
-    categories = breakdown.get("categories_ms", {})
-    total = sum(categories.values()) or 1
-    largest = sorted(categories.items(), key=lambda item: -item[1])[:3]
-    shares = ", ".join(f"{CATEGORY_NAMES.get(k, k)} {v / total:.0%}" for k, v in largest)
+    categories = r["breakdown"].get("categories_ms", {})
     if counted_twice(r):
         shares = "— (kernels counted twice in this profile)"
+    else:
+        total = sum(categories.values()) or 1
+        largest = sorted(categories.items(), key=lambda item: -item[1])[:3]
+        shares = ", ".join(f"{CATEGORY_NAMES.get(k, k)} {v / total:.0%}" for k, v in largest)
     return [
         r["flavor"],
         r["seq_len"],
@@ -391,9 +385,9 @@ def _one_gpu_row(name: str, data: dict, r: dict, sources: Sources) -> list:
         r["tokens_per_s_per_gpu"],
         theirs,
         speedup,
-        round(step_ms, 1),
-        busy,
-        f"{step_ms / busy:.3f}",
+        round(r["step_time_s"] * 1000, 1),
+        r["breakdown"]["busy_ms"],
+        f"{step_over_busy(r):.3f}",
         _pct(r.get("mfu_documents")),
         shares,
         sources.cite(name),
@@ -575,7 +569,8 @@ def _breakdown(results: dict, sources: Sources, plots: dict) -> list[str]:
     for name, _, r in rows:
         breakdown = r["breakdown"]
         categories = breakdown["categories_ms"]
-        total = 0.0 if counted_twice(r) else sum(categories.values())
+        twice = counted_twice(r)
+        total = 0.0 if twice else sum(categories.values())
         shares = [_pct(categories.get(c, 0.0) / total) if total else None for c in CATEGORY_NAMES]
         exposed = breakdown.get("exposed_comm_ms", {})
         body.append(
@@ -590,8 +585,8 @@ def _breakdown(results: dict, sources: Sources, plots: dict) -> list[str]:
                 _ms(exposed.get("fsdp")),
                 _ms(exposed.get("all_to_all")),
                 *shares,
-                None if counted_twice(r) else _pct(gdn_kernel_share(r)),
-                None if counted_twice(r) else _pct(gdn_kernel_share(r, layer_only=True)),
+                None if twice else _pct(gdn_kernel_share(r)),
+                None if twice else _pct(gdn_kernel_share(r, layer_only=True)),
                 _syncs_text(breakdown.get("host_syncs")),
                 sources.cite(name),
             ]
@@ -858,9 +853,7 @@ def _speedup_rows(results: list[dict], references: list[dict]) -> list[list]:
     rows = []
     target = f">= {TARGET_SPEEDUP_VS_TRANSFORMERS}x transformers"
     for r in results:
-        tried = [
-            t for t in references if t["flavor"] == r["flavor"] and t["seq_len"] == r["seq_len"]
-        ]
+        tried = _transformers_for(references, r)
         if r["cp"] != 1 or not tried:
             continue
         config = f"{_config(r)} vs best transformers"
@@ -875,13 +868,24 @@ def _speedup_rows(results: list[dict], references: list[dict]) -> list[list]:
     return rows
 
 
+def _transformers_for(references: list[dict], result: dict) -> list[dict]:
+    """transformers' entries (every mode, finished or not) for `result`'s flavor and length."""
+    point = (result["flavor"], result["seq_len"])
+    return [t for t in references if (t["flavor"], t["seq_len"]) == point]
+
+
+def step_over_busy(result: dict) -> float:
+    """The median step against the profiled step's time in which any kernel runs."""
+    return result["step_time_s"] * 1000 / result["breakdown"]["busy_ms"]
+
+
 def _busy_rows(results: list[dict]) -> list[list]:
     rows = []
     for r in results:
         busy = r.get("breakdown", {}).get("busy_ms")
         if r["cp"] != 1 or r.get("gpus", 1) != 1 or not busy:
             continue
-        ratio = r["step_time_s"] * 1000 / busy
+        ratio = step_over_busy(r)
         value = f"{ratio:.3f} ({r['step_time_s'] * 1000:.1f} / {busy:.1f} ms)"
         met = "yes" if ratio <= TARGET_STEP_OVER_BUSY else f"no ({ratio - 1:.0%} over busy)"
         rows.append([f"step <= {TARGET_STEP_OVER_BUSY}x GPU-busy", _config(r), value, met])
