@@ -79,9 +79,13 @@ class Run:
         self.started = time.monotonic()
         self.stopped = False
         previous = records.read_json(args.out) if args.resume else None
+        environment = common.environment(rt, MODULE)
+        # `environment` stays the first invocation's; each entry says when and at which commit
+        # it was measured, since a --resume run may measure at a later one.
+        self.measured = {"date": environment["date"], "git": environment["git"]}
         self.data = previous or {
             "kind": "throughput",
-            "environment": common.environment(rt, MODULE),
+            "environment": environment,
             "options": {**vars(self.opts), "references": args.references},
             "results": [],
             "transformers": [],
@@ -97,7 +101,7 @@ class Run:
         return any(_matches(entry, key) for entry in self.data[section])
 
     def add(self, section: str, entry: dict) -> None:
-        self.data[section].append(entry)
+        self.data[section].append({**entry, "measured": self.measured})
         self.save()
 
     def save(self) -> None:
