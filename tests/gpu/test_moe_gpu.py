@@ -26,7 +26,8 @@ def _outputs_and_grads(block, x):
     x = x.clone().requires_grad_()
     out, probs, experts = block(x)
     (out.float() * torch.linspace(-1, 1, out.shape[-1], device="cuda")).sum().backward()
-    grads = {name: p.grad for name, p in block.named_parameters()}
+    # torch.compile'd children name their parameters "<child>._orig_mod.<name>".
+    grads = {name.replace("._orig_mod", ""): p.grad for name, p in block.named_parameters()}
     return out.detach(), experts, x.grad, grads
 
 
