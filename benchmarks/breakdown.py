@@ -79,9 +79,20 @@ _RULES = (
     (
         "gemm",
         ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitK"),
-        ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
+        (
+            "aten::mm",
+            "aten::addmm",
+            "aten::bmm",
+            "aten::matmul",
+            "aten::linear",
+            "aten::_grouped_mm",
+        ),
     ),
 )
+
+
+OTHER_KERNELS = 10  # the largest uncategorized kernels a breakdown lists by name
+OTHER_NAME_CHARS = 100
 
 
 def categorize(kernel_name: str, op_names: list[str]) -> str:
@@ -134,10 +145,13 @@ def step_breakdown(
     totals: dict[str, float] = defaultdict(float)
     per_type: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     collective_us: dict[int, float] = defaultdict(float)
+    other_us: dict[str, float] = defaultdict(float)
     for kernel_name, op, us in samples:
         chain = chains.of(op)
         category = categorize(kernel_name, [e.name for e in chain])
         totals[category] += us
+        if category == "other":
+            other_us[kernel_name[:OTHER_NAME_CHARS]] += us
         layer = layer_of(chain)
         if layer is not None:
             per_type[layer_types[layer]][category] += us
@@ -148,6 +162,11 @@ def step_breakdown(
         "measure": "GPU kernel time" if cuda else "CPU self time",
         "categories_ms": _ms(totals),
         "layers_ms": {kind: _ms(values) for kind, values in per_type.items()},
+        # What no rule names, largest first: where a new category or rule is due.
+        "other_kernels_ms": {
+            name: round(us / 1000, 3)
+            for name, us in sorted(other_us.items(), key=lambda item: -item[1])[:OTHER_KERNELS]
+        },
         "all_to_all": _all_to_all_summary(
             collectives, collective_us, chains, len(layer_types), cuda, exchanges
         ),

@@ -469,6 +469,24 @@ def test_a_kernel_listed_by_two_ops_counts_once_under_the_one_it_can_follow():
     assert sum(result["categories_ms"].values()) == result["busy_ms"] == 0.05
 
 
+def test_the_kernels_no_category_claims_are_listed_by_name_largest_first():
+    from benchmarks.breakdown import step_breakdown
+
+    block = _event(1, "CompiledFunction", 0, 100)
+    kernels = [
+        _kernel(10, "triton_poi_fused_mul_0", 5, 10, block),
+        _kernel(11, "nvjet_hsh_64x8", 10, 40, block),  # a GEMM: not "other"
+        _kernel(12, "triton_red_fused_sort_1", 40, 60, block),
+        _kernel(13, "triton_poi_fused_mul_0", 60, 62, block),  # a second launch
+    ]
+    result = step_breakdown([block, *kernels], ["x"], cuda=True)
+    assert list(result["other_kernels_ms"].items()) == [
+        ("triton_red_fused_sort_1", 0.02),
+        ("triton_poi_fused_mul_0", 0.007),
+    ]
+    assert sum(result["other_kernels_ms"].values()) == result["categories_ms"]["other"]
+
+
 def test_every_checkpointing_mode_runs_its_cp_degrees_back_to_back():
     args = throughput.parse_args(
         ["--out", "x.json", "--cp", "1", "2", "--ac", "full", "selective:op"]
