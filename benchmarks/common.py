@@ -177,6 +177,20 @@ class Runtime:
         if self.cuda:
             torch.cuda.empty_cache()
 
+    def leave(self, finished: bool) -> None:
+        """Destroy the process group. After a finished run the ranks first meet (rank 0 may
+        still be writing its JSON) and free what is left to the garbage collector, so that no
+        rank tears its group down while another still uses its own, and interpreter teardown
+        frees no tensor that a collective touched: a complete 2-process gloo run once ended
+        with one rank aborting (SIGABRT) at exit. After a failure the other ranks may be inside
+        another collective, so there is no meeting to wait for."""
+        if finished:
+            self.barrier()
+            self.synchronize()
+            self.free_memory()
+            self.barrier()
+        dist.destroy_process_group()
+
     def device_name(self) -> str:
         if self.cuda:
             return torch.cuda.get_device_name(self.device)

@@ -306,6 +306,7 @@ def run_trial(args: argparse.Namespace) -> None:
     from benchmarks import common
 
     rt = common.init_runtime(args.pg_timeout_s)
+    finished = False
     try:
         run = common.RunConfig(args.flavor, args.seq_len, args.cp, args.ac)
         opts = common.options_from_args(args)
@@ -313,10 +314,9 @@ def run_trial(args: argparse.Namespace) -> None:
         if rt.rank == 0:
             record["environment"] = common.environment(rt, MODULE)
             records.write_json(args.trial_out, record)
+        finished = True
     finally:
-        import torch.distributed
-
-        torch.distributed.destroy_process_group()
+        rt.leave(finished)
 
 
 def _train(run, opts, rt) -> dict:

@@ -399,6 +399,7 @@ def configurations(args: argparse.Namespace, flavor: str, seq_len: int) -> list[
 def main(argv=None) -> None:
     args = parse_args(argv)
     rt = common.init_runtime(args.pg_timeout_s)
+    finished = False
     try:
         state = Run(args, rt)
         for flavor, seq_len in itertools.product(args.flavors, args.seq_lens):
@@ -416,8 +417,9 @@ def main(argv=None) -> None:
         state.data["complete"] = not state.stopped
         state.save()
         print_summary(state)
+        finished = True
     finally:
-        torch.distributed.destroy_process_group()
+        rt.leave(finished)
 
 
 if __name__ == "__main__":

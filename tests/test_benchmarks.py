@@ -30,7 +30,16 @@ def _run(command: list[str], timeout: float = 300) -> None:
     result = subprocess.run(
         command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-3000:] + _first_error(result.stderr)
+
+
+def _first_error(stderr: str, chars: int = 6000) -> str:
+    """stderr from its first fatal or uncaught error on (where a crashed rank says why;
+    torchrun's summary after it names only the signal), else its end."""
+    markers = ("Fatal Python error", "terminate called", "Traceback (most recent call last)")
+    starts = [i for i in (stderr.find(m) for m in markers) if i >= 0]
+    start = min(starts) if starts else max(len(stderr) - chars, 0)
+    return stderr[start : start + chars]
 
 
 @pytest.fixture(scope="module")
