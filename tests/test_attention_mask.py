@@ -6,19 +6,14 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from titan_gdn.model.documents import DocumentBoundaries
-from titan_gdn.ops.attention import document_causal_block_mask, document_causal_mask_mod
+from titan_gdn.ops.attention import BLOCK_MASK_TENSORS as FIELDS
+from titan_gdn.ops.attention import (
+    block_mask_in_place,
+    document_causal_block_mask,
+    document_causal_mask_mod,
+)
 
 EOS = 0
-FIELDS = (
-    "kv_num_blocks",
-    "kv_indices",
-    "full_kv_num_blocks",
-    "full_kv_indices",
-    "q_num_blocks",
-    "q_indices",
-    "full_q_num_blocks",
-    "full_q_indices",
-)
 
 
 def _rows(gen, batch, seq_len, lengths):
@@ -80,3 +75,20 @@ def test_query_range_equals_create_block_mask(seq_len, queries):
     for field in FIELDS:
         torch.testing.assert_close(getattr(ours, field), getattr(reference, field), msg=field)
     assert torch.equal(ours.to_dense(), reference.to_dense())
+
+
+def test_masks_kept_in_place_hold_each_batch_at_the_same_addresses():
+    """compile.cudagraphs: every batch's mask in the same tensors, each with its own values."""
+    gen = torch.Generator().manual_seed(7)
+    storage, addresses = {}, None
+    for lengths in ([1, 2, 129], [300, 700], [5000], [64]):
+        docs = DocumentBoundaries.from_tokens(_rows(gen, 2, 1024, lengths), EOS)
+        fresh = document_causal_block_mask(docs.document_ids)
+        kept = block_mask_in_place(document_causal_block_mask(docs.document_ids), storage)
+        for field in FIELDS:
+            assert torch.equal(getattr(kept, field), getattr(fresh, field)), field
+        assert torch.equal(kept.to_dense(), fresh.to_dense())
+        now = [getattr(kept, field).data_ptr() for field in FIELDS]
+        assert addresses in (None, now)
+        addresses = now
+    assert len(storage) == len(FIELDS)

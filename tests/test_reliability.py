@@ -290,6 +290,33 @@ def test_world_size_that_does_not_fit_the_degrees_is_refused():
     )  # fmt: skip
 
 
+def test_cuda_graphs_are_refused_where_they_cannot_replay():
+    flags = ["--compile.cudagraphs", "--training.global_batch_size", "16"]
+    problems = _problems(_job_config(*flags), world_size=2)
+    _one_problem_per_fragment(
+        problems,
+        [
+            'set compile.enable = true with "model" in compile.components',
+            "compile.cudagraphs runs on one GPU only (2 processes)",
+            "training.global_batch_size = 16 accumulates gradients over micro-batches of 4",
+            "compile.cudagraphs with [sample] prompt",
+            "compile.cudagraphs needs a CUDA GPU",
+        ],
+    )
+    aot_eager_moe = _job_config(
+        "--compile.cudagraphs", "--compile.enable", "--compile.backend", "aot_eager",
+        "--model.flavor", "debugmoe", "--sample.prompt", "",
+    )  # fmt: skip
+    _one_problem_per_fragment(
+        _problems(aot_eager_moe),
+        [
+            'compile.cudagraphs needs compile.backend = "inductor" (got "aot_eager")',
+            "compile.cudagraphs is for dense flavors",
+            "compile.cudagraphs needs a CUDA GPU",
+        ],
+    )
+
+
 def test_a_tokenizer_with_ids_beyond_the_vocab_is_refused(tmp_path):
     # A tokenizer of 2020 tokens whose EOS sits at id 3000: its size fits the model's 2048
     # rows, its ids do not.

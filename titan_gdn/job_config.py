@@ -42,6 +42,16 @@ class Parallelism:
 
 
 @dataclass
+class Compile:
+    cudagraphs: bool = False
+    """Replay each compiled decoder block's kernels as CUDA graphs (inductor's graph
+    partitions): the delta-rule and conv ops, whose launches follow the documents, run between
+    the graphs as before. It takes the host's per-kernel launch work out of the step, which is
+    what bounds a step of short rows on one GPU (docs/performance.md). One GPU (no FSDP,
+    context or expert parallel), dense flavors, one micro-batch per step, inductor."""
+
+
+@dataclass
 class Sample:
     prompt: str = ""
     """Text to continue with the trained model when training ends, printed with its
@@ -59,6 +69,7 @@ class JobConfig:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    compile: Compile = field(default_factory=Compile)
     sample: Sample = field(default_factory=Sample)
 
 

@@ -100,6 +100,7 @@ class Qwen35Trainer(Trainer):
         super().__init__(job_config)
         self._write_model_args(QUIET_CONSOLE.model_args_path)
         self._progress_started = False
+        self._cudagraphs = setting(job_config, "compile", "cudagraphs")
         self.loss_fn = self._guarded_loss_fn(self.loss_fn)
         self.loss_guard = NonFiniteLossGuard(
             max_skips=setting(job_config, "training", "skip_nonfinite_loss_steps"),
@@ -137,6 +138,10 @@ class Qwen35Trainer(Trainer):
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
         self._global_valid_tokens = global_valid_tokens
+        if self._cudagraphs:
+            # A new step: the last step's graph outputs are dead, their memory may be replayed
+            # into (torch's CUDA graph trees cannot tell where a training step begins).
+            torch.compiler.cudagraph_mark_step_begin()
         loss = super().forward_backward_step(
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )

@@ -177,6 +177,7 @@ def _model_problems(job_config, world_size: int = 1) -> list[str]:
     from titan_gdn.model.args import job_config_problems
     from titan_gdn.parallel.cp_layout import context_parallel_split, layout_problems
     from titan_gdn.parallel.expert_parallel import expert_parallel_problems
+    from titan_gdn.parallel.parallelize import cudagraph_problems
 
     problems = []
     try:
@@ -200,6 +201,7 @@ def _model_problems(job_config, world_size: int = 1) -> list[str]:
         problems += layout_problems(args, **context_parallel_split(job_config))
         shard_x_cp = _shard_degree(parallelism, world_size) * parallelism.context_parallel_degree
         problems += expert_parallel_problems(args, parallelism.expert_parallel_degree, shard_x_cp)
+        problems += cudagraph_problems(job_config, world_size, moe=bool(args.moe_layers))
     return problems
 
 

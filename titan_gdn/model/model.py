@@ -15,7 +15,11 @@ from titan_gdn.layers.rope import rope_cos_sin
 from titan_gdn.loss import OutputHidden, RoutedOutput
 from titan_gdn.model.args import LINEAR_ATTENTION, Qwen35ModelArgs
 from titan_gdn.model.documents import DocumentBoundaries
-from titan_gdn.ops.attention import document_causal_block_mask, resolve_attn_backend
+from titan_gdn.ops.attention import (
+    block_mask_in_place,
+    document_causal_block_mask,
+    resolve_attn_backend,
+)
 
 
 class DecoderBlock(nn.Module):
@@ -72,6 +76,9 @@ class Qwen35Model(ModelProtocol):
     def __init__(self, model_args: Qwen35ModelArgs):
         super().__init__(model_args)
         self.model_args = model_args
+        # Where the attention masks keep their tensors from batch to batch, for compiled blocks
+        # replayed as CUDA graphs (set by parallelize with compile.cudagraphs); None: new ones.
+        self.block_mask_storage: dict | None = None
         self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
         self.layers = nn.ModuleDict(
             {
@@ -104,7 +111,10 @@ class Qwen35Model(ModelProtocol):
         at positions `queries` = (start, end) of each row (default: all of them)."""
         docs = DocumentBoundaries.from_tokens(input_batch, tokenizer.eos_id)
         if resolve_attn_backend(input_batch.device, self.model_args.attn_backend) == "flex":
-            docs = docs.with_block_mask(document_causal_block_mask(docs.document_ids, queries))
+            block_mask = document_causal_block_mask(docs.document_ids, queries)
+            if self.block_mask_storage is not None:
+                block_mask = block_mask_in_place(block_mask, self.block_mask_storage)
+            docs = docs.with_block_mask(block_mask)
         return docs
 
     def forward(

@@ -57,6 +57,27 @@ def document_causal_mask_mod(document_ids: torch.Tensor, query_start: int = 0):
 
 
 BLOCK_SIZE = 128  # flex attention's default sparse block
+# The tensors a BlockMask holds (the q_* ones are the transposed layout its backward reads).
+BLOCK_MASK_TENSORS = (
+    "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+    "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
+)  # fmt: skip
+
+
+def block_mask_in_place(block_mask: BlockMask, storage: dict) -> BlockMask:
+    """`block_mask` holding `storage`'s tensors, with its own values copied in: one tensor per
+    name and shape, allocated at the first call and then reused. Compiled graphs take a
+    BlockMask's tensors as static inputs, and a CUDA graph (compile.cudagraphs) replays only
+    for the addresses it recorded: a new mask each step would record every graph again."""
+    for name in BLOCK_MASK_TENSORS:
+        tensor = getattr(block_mask, name)
+        if tensor is None:
+            continue
+        key = (name, tuple(tensor.shape), tensor.dtype, tensor.device)
+        if key not in storage:
+            storage[key] = torch.empty_like(tensor)
+        setattr(block_mask, name, storage[key].copy_(tensor))
+    return block_mask
 
 
 def _document_causal_blocks(document_ids: torch.Tensor, size: int, start: int, end: int):

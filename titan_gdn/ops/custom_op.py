@@ -27,6 +27,10 @@ import torch
 from titan_gdn.ops.local_memory import release_after_first_use
 
 NAMESPACE = "titan_gdn"
+# Every op of ours launches kernels whose grids follow the documents, reads them on the host or
+# communicates: a CUDA graph would replay one batch's launches for the next. With this tag
+# inductor leaves the op between its CUDA-graph partitions (`compile.cudagraphs`).
+OUTSIDE_CUDA_GRAPHS = (torch.Tag.cudagraph_unsafe,)
 
 
 def input_saving_op(
@@ -54,7 +58,11 @@ def input_saving_op(
         return output
 
     forward = torch.library.custom_op(
-        f"{NAMESPACE}::{name}", forward_impl, mutates_args=(), schema=f"{arguments} -> Tensor"
+        f"{NAMESPACE}::{name}",
+        forward_impl,
+        mutates_args=(),
+        schema=f"{arguments} -> Tensor",
+        tags=OUTSIDE_CUDA_GRAPHS,
     )
 
     @forward.register_fake
@@ -76,6 +84,7 @@ def input_saving_op(
         backward_impl,
         mutates_args=(),
         schema=f"(Tensor grad, {arguments.removeprefix('(')} -> Tensor[]",
+        tags=OUTSIDE_CUDA_GRAPHS,
     )
 
     @backward.register_fake

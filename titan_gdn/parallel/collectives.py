@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from titan_gdn.ops.custom_op import OUTSIDE_CUDA_GRAPHS
+
 # torch 2.13 renamed reduce_scatter_tensor (deprecated there); 2.11 has only the old name.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -21,7 +23,7 @@ def _group(group_name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(group_name)
 
 
-@torch.library.custom_op("titan_gdn::all_gather", mutates_args=())
+@torch.library.custom_op("titan_gdn::all_gather", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS)
 def all_gather(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """[N, *x.shape]: every rank's `x`, in rank order."""
     group = _group(group_name)
@@ -47,7 +49,7 @@ all_gather.register_autograd(
 )
 
 
-@torch.library.custom_op("titan_gdn::reduce_scatter", mutates_args=())
+@torch.library.custom_op("titan_gdn::reduce_scatter", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS)
 def reduce_scatter(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum over ranks of slice `rank` of `x` (dim 0 cut into N equal slices)."""
     group = _group(group_name)
@@ -70,7 +72,7 @@ reduce_scatter.register_autograd(
 )
 
 
-@torch.library.custom_op("titan_gdn::from_previous_rank", mutates_args=())
+@torch.library.custom_op("titan_gdn::from_previous_rank", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS)
 def from_previous_rank(x: torch.Tensor, group_name: str, step: int) -> torch.Tensor:
     """The `x` of rank `rank - step` (zeros where there is none): step 1 hands each rank's
     tail to the next rank, step -1 to the previous one.

@@ -23,10 +23,10 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import Shard
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
-from torchtitan.config.job_config import Compile as CompileConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
+from titan_gdn.job_config import setting
 from titan_gdn.parallel.activation_checkpoint import apply_activation_checkpointing
 
 _UNSUPPORTED = (
@@ -69,7 +69,8 @@ def parallelize_qwen3_5(
         )
     # After AC wrapping and before FSDP, as torchtitan does.
     if compile_model:
-        _compile_blocks(model, job_config.compile)
+        cudagraphs = setting(job_config, "compile", "cudagraphs")
+        _compile_blocks(model, job_config.compile.backend, cudagraphs)
     if parallel_dims.fsdp_enabled:
         _apply_fsdp(model, parallel_dims, job_config)
     return model
@@ -101,18 +102,71 @@ def unsupported_parallelism_problems(parallel_dims: ParallelDims) -> list[str]:
     return problems
 
 
-def _compile_blocks(model: nn.Module, compile_config: CompileConfig) -> None:
+def _compile_blocks(model: nn.Module, backend: str, cudagraphs: bool) -> None:
     # Per block: the blocks repeat, so one graph per layer type serves them all. fullgraph:
     # the kernels are custom ops and document boundaries have a fixed shape, so a graph break
     # or a recompile per batch would be a bug to surface, not a cost to absorb.
+    # With cudagraphs, inductor cuts each graph at the ops tagged cudagraph_unsafe (ours, whose
+    # launches follow the documents: ops/custom_op.py) and replays the parts between as CUDA
+    # graphs, so a block's dozens of fused kernels cost the host one launch per part.
+    options = {"triton.cudagraphs": True, "graph_partition": True} if cudagraphs else None
+    if cudagraphs:
+        model.block_mask_storage = {}  # the masks' static inputs at fixed addresses
     for layer_id, block in model.layers.named_children():
         if block.moe:
-            _compile_moe_block(block, compile_config.backend)
+            _compile_moe_block(block, backend)
             continue
         model.layers.register_module(
-            layer_id, torch.compile(block, backend=compile_config.backend, fullgraph=True)
+            layer_id, torch.compile(block, backend=backend, fullgraph=True, options=options)
         )
-    logger.info(f"Compiled each decoder block with torch.compile ({compile_config.backend})")
+    graphs = ", replayed as CUDA graphs" if cudagraphs else ""
+    logger.info(f"Compiled each decoder block with torch.compile ({backend}{graphs})")
+
+
+def cudagraph_problems(job_config, world_size: int, moe: bool) -> list[str]:
+    """Why `compile.cudagraphs` cannot run this job, one message per reason (empty when off
+    or when it can)."""
+    if not setting(job_config, "compile", "cudagraphs"):
+        return []
+    compile_config, problems = job_config.compile, []
+    if not (compile_config.enable and "model" in compile_config.components):
+        problems.append(
+            "compile.cudagraphs replays the compiled blocks: set compile.enable = true with "
+            '"model" in compile.components, or leave compile.cudagraphs off'
+        )
+    elif compile_config.backend != "inductor":
+        problems.append(
+            f'compile.cudagraphs needs compile.backend = "inductor" (got '
+            f'"{compile_config.backend}"), or leave it off'
+        )
+    if world_size > 1:
+        problems.append(
+            f"compile.cudagraphs runs on one GPU only ({world_size} processes): FSDP's, context "
+            "and expert parallel's parameters and collectives are not captured; leave it off"
+        )
+    if moe:
+        problems.append(
+            "compile.cudagraphs is for dense flavors: an MoE block routes its tokens on the host; "
+            "leave it off"
+        )
+    training = job_config.training
+    if training.global_batch_size > 0 and training.global_batch_size != training.local_batch_size:
+        # torch's CUDA graph trees give AccumulateGrad the graph's own output buffer, which the
+        # next micro-batch's replay overwrites (pytorch/pytorch#169545).
+        problems.append(
+            f"compile.cudagraphs needs one micro-batch per step: training.global_batch_size = "
+            f"{training.global_batch_size} accumulates gradients over micro-batches of "
+            f"{training.local_batch_size}; set it to -1 or leave compile.cudagraphs off"
+        )
+    if setting(job_config, "sample", "prompt"):
+        problems.append(
+            "compile.cudagraphs with [sample] prompt: sampling would record graphs for every "
+            'length; set sample.prompt = "" and sample the checkpoint with '
+            "python -m titan_gdn.generate"
+        )
+    if not torch.cuda.is_available():
+        problems.append("compile.cudagraphs needs a CUDA GPU; leave it off on CPU")
+    return problems
 
 
 def _compile_moe_block(block: nn.Module, backend: str) -> None:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from titan_gdn.ops.custom_op import OUTSIDE_CUDA_GRAPHS
 from titan_gdn.ops.delta_rule.fla_op import CHUNK_SIZE, _on_device, load_fla_kernels
 from titan_gdn.ops.local_memory import release_after_first_use
 
@@ -80,7 +81,9 @@ def _per_row(x: Tensor, rows: int) -> list[Tensor]:
     return list(x.chunk(rows, dim=1))
 
 
-@torch.library.custom_op("titan_gdn::gated_delta_rule_fla_cp", mutates_args=())
+@torch.library.custom_op(
+    "titan_gdn::gated_delta_rule_fla_cp", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS
+)
 def gated_delta_rule_fla_cp(
     q: Tensor,
     k: Tensor,
@@ -155,7 +158,9 @@ def _(q, k, v, g, beta, cu_seqlens, rows, group_name, scale):
     )
 
 
-@torch.library.custom_op("titan_gdn::gated_delta_rule_fla_cp_backward", mutates_args=())
+@torch.library.custom_op(
+    "titan_gdn::gated_delta_rule_fla_cp_backward", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS
+)
 def gated_delta_rule_fla_cp_backward(
     grad_o: Tensor,
     q: Tensor,

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from titan_gdn.ops.custom_op import OUTSIDE_CUDA_GRAPHS
 from titan_gdn.ops.documents import FLA_CHUNK_SIZE, cached_documents_and_chunks
 from titan_gdn.ops.local_memory import release_after_first_use
 
@@ -67,7 +68,9 @@ def fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale: float | None) -> T
     return gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens, scale)[0]
 
 
-@torch.library.custom_op("titan_gdn::gated_delta_rule_fla", mutates_args=())
+@torch.library.custom_op(
+    "titan_gdn::gated_delta_rule_fla", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS
+)
 def gated_delta_rule_fla(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, scale: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -119,7 +122,9 @@ def _(q, k, v, g, beta, cu_seqlens, scale):
     )
 
 
-@torch.library.custom_op("titan_gdn::gated_delta_rule_fla_backward", mutates_args=())
+@torch.library.custom_op(
+    "titan_gdn::gated_delta_rule_fla_backward", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS
+)
 def gated_delta_rule_fla_backward(
     grad_o: Tensor,
     q: Tensor,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_gdn.ops.custom_op import recording_autograd
+from titan_gdn.ops.custom_op import OUTSIDE_CUDA_GRAPHS, recording_autograd
 from titan_gdn.ops.delta_rule.chunk_torch import chunk_gated_delta_rule_torch_with_states
 
 
@@ -64,7 +64,9 @@ def add_incoming_state(outputs: torch.Tensor, state: torch.Tensor) -> torch.Tens
     return (local + carried.to(local.dtype)).flatten(0, 1)[None]
 
 
-@torch.library.custom_op("titan_gdn::affine_gated_delta_rule_torch", mutates_args=())
+@torch.library.custom_op(
+    "titan_gdn::affine_gated_delta_rule_torch", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS
+)
 def _affine_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -89,7 +91,9 @@ def _(q, k, v, g, beta, cu_seqlens, initial_state, scale):
 
 # Its backward recomputes the forward under autograd, as `custom_op.input_saving_op` does for
 # the one-output torch delta rule (this op has two outputs, which that helper does not make).
-@torch.library.custom_op("titan_gdn::affine_gated_delta_rule_torch_backward", mutates_args=())
+@torch.library.custom_op(
+    "titan_gdn::affine_gated_delta_rule_torch_backward", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS
+)
 def _affine_op_backward(
     grad_o: torch.Tensor,
     grad_final: torch.Tensor,

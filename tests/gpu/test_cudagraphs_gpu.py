@@ -1,0 +1,95 @@
+"""`compile.cudagraphs`: compiled blocks replayed as CUDA graphs train exactly as the same
+compiled blocks launched kernel by kernel, step after step while the document layout changes
+(the delta-rule and conv ops, which follow the documents, run between the graphs), and the
+graphs are really replayed."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+
+from titan_gdn.model import Qwen35Model, qwen3_5_args
+from titan_gdn.parallel.parallelize import parallelize_qwen3_5
+
+pytestmark = pytest.mark.gpu
+
+EOS, SEQ_LEN, LR = 0, 2048, 0.05
+DOCUMENTS_PER_STEP = (1, 7, 30, 3, 12, 5)  # a new layout every step
+
+
+class _Tokenizer:
+    eos_id = EOS
+
+
+def _batch(step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(1, 2048, (1, SEQ_LEN + 1), generator=gen)
+    ends = torch.randperm(SEQ_LEN - 1, generator=gen)[: DOCUMENTS_PER_STEP[step] - 1]
+    tokens[0, ends] = EOS
+    return tokens.cuda()
+
+
+def _compiled(model: Qwen35Model, cudagraphs: bool) -> Qwen35Model:
+    job = JobConfig()
+    job.compile.enable, job.compile.components = True, ["model"]
+    job.compile.cudagraphs = cudagraphs  # titan_gdn's setting, as the TOML's [compile] sets it
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    return parallelize_qwen3_5(model, dims, job)
+
+
+def _step(model, batch, cudagraphs: bool):
+    """Loss and gradients of one batch, then a plain SGD update."""
+    if cudagraphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    docs = model.get_attention_masks(inputs, _Tokenizer())
+    # As the trainer on one GPU: fp32 parameters, bf16 compute.
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(inputs, attention_masks=docs)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= LR * p.grad
+            p.grad = None
+    return loss.item(), grads
+
+
+def _graph_launches_and_recordings(model, batch) -> tuple[int, int]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _step(model, batch, cudagraphs=True)
+    events = {e.key: e.count for e in prof.key_averages()}
+    recordings = sum(n for key, n in events.items() if key.startswith("CUDAGraphNode.record"))
+    return events.get("cudaGraphLaunch", 0), recordings
+
+
+def test_cuda_graph_replays_train_as_the_compiled_blocks():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen35Model(copy.deepcopy(qwen3_5_args["debugmodel"]))
+        model.init_weights()
+    reference = _compiled(copy.deepcopy(model), cudagraphs=False)
+    graphed = _compiled(model, cudagraphs=True)
+    counters.clear()
+    for step in range(len(DOCUMENTS_PER_STEP) - 1):
+        batch = _batch(step)
+        want_loss, want = _step(reference, batch, cudagraphs=False)
+        got_loss, got = _step(graphed, batch, cudagraphs=True)
+        assert got_loss == pytest.approx(want_loss, rel=1e-5), (step, got_loss, want_loss)
+        for name, grad in want.items():
+            error = ((got[name] - grad).norm() / grad.norm().clamp_min(1e-30)).item()
+            assert error <= 1e-4, (step, name, error)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    # Forward and backward of every block, each cut at the delta-rule and conv ops; once warm,
+    # a step replays what earlier steps recorded.
+    launches, recordings = _graph_launches_and_recordings(
+        graphed, _batch(len(DOCUMENTS_PER_STEP) - 1)
+    )
+    assert launches >= 2 * len(graphed.layers), launches
+    assert recordings == 0, recordings
