@@ -290,7 +290,9 @@ def test_world_size_that_does_not_fit_the_degrees_is_refused():
     )  # fmt: skip
 
 
-def test_cuda_graphs_are_refused_where_they_cannot_replay():
+def test_cuda_graphs_are_refused_where_they_cannot_replay(monkeypatch):
+    # As on a machine without GPUs wherever this runs, so that the list below is the same.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     flags = ["--compile.cudagraphs", "--training.global_batch_size", "16"]
     problems = _problems(_job_config(*flags), world_size=2)
     _one_problem_per_fragment(
