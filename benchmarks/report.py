@@ -191,12 +191,13 @@ def _ours(results: dict, ok_only: bool = True):
 
 
 def _latest(items, key) -> list[tuple[str, dict, dict]]:
-    """Per `key(record)`, the record from the most recent file; a measurement of the training
-    command wins over one of a rebuilt step, a finished one over a failed one."""
+    """Per `key(record)` and the run's overrides, the record from the most recent file; a
+    measurement of the training command wins over one of a rebuilt step, a finished one over a
+    failed one."""
     best = {}
     for name, data, record in items:
         rank = (_is_trainer(record), record.get("status") == "ok", _date(data))
-        k = key(record)
+        k = (key(record), _overrides(data))
         if k not in best or best[k][0] <= rank:
             best[k] = (rank, name, data, record)
     return [(name, data, record) for _, name, data, record in best.values()]
@@ -204,6 +205,20 @@ def _latest(items, key) -> list[tuple[str, dict, dict]]:
 
 def _ac_name(ac: str | None) -> str | None:
     return {"selective:op": "selective (op)"}.get(ac, ac)
+
+
+def _overrides(data: dict) -> str | None:
+    """The settings the run changed from the shipped config (`--set`), as run_train.sh takes
+    them."""
+    return " ".join(data.get("options", {}).get("overrides", [])) or None
+
+
+def _mode(data: dict, result: dict) -> str | None:
+    """The checkpointing mode, and the run's overrides where it has any: two points that differ
+    only in an override (e.g. `--compile.cudagraphs`) are two configurations."""
+    overrides = _overrides(data)
+    ac = _ac_name(result.get("ac"))
+    return f"{ac}, `{overrides}`" if overrides else ac
 
 
 def _status_or(record: dict | None, key: str):
@@ -236,7 +251,7 @@ def _training_command(results: dict, sources: Sources, plots: dict) -> list[str]
     rows = _sorted(rows, "seq_len", "ac")
     body = []
     for name, data, r in rows:
-        overrides = " ".join(data.get("options", {}).get("overrides", [])) or None
+        overrides = _overrides(data)
         body.append(
             [
                 r["flavor"],
@@ -300,8 +315,7 @@ def _against_transformers(results: dict, sources: Sources, plots: dict) -> list[
         [
             best["flavor"],
             best["seq_len"],
-            f"{_ac_name(best['ac'])}, {best['gpus']} GPU{'s' * (best['gpus'] > 1)}, "
-            f"{_harness(best)}",
+            f"{_mode(data, best)}, {best['gpus']} GPU{'s' * (best['gpus'] > 1)}, {_harness(best)}",
             best["tokens_per_s_per_gpu"],
             best.get("peak_reserved_gib"),
             _status_or(plain, "tokens_per_s_per_gpu"),
@@ -311,7 +325,7 @@ def _against_transformers(results: dict, sources: Sources, plots: dict) -> list[
             _ratio(speedup),
             sources.cite(name),
         ]
-        for name, _, best, plain, checkpointed, speedup in rows
+        for name, data, best, plain, checkpointed, speedup in rows
     ]
     headings = ["flavor", "seq_len", "ours: checkpointing, GPUs, step", "ours tokens/s/GPU"]
     headings += ["ours GiB", "transformers tokens/s", "GiB", "transformers, checkpointing"]
@@ -381,7 +395,7 @@ def _one_gpu_row(name: str, data: dict, r: dict, sources: Sources) -> list:
     return [
         r["flavor"],
         r["seq_len"],
-        _ac_name(r["ac"]),
+        _mode(data, r),
         r["tokens_per_s_per_gpu"],
         theirs,
         speedup,
@@ -408,7 +422,7 @@ def _throughput(results: dict, sources: Sources, plots: dict) -> list[str]:
             r.get("gpus"),
             r["cp"],
             r.get("dp"),
-            _ac_name(r.get("ac")),
+            _mode(data, r),
             _harness(r),
             r["status"],
             r.get("documents_per_row"),
@@ -421,7 +435,7 @@ def _throughput(results: dict, sources: Sources, plots: dict) -> list[str]:
             r.get("peak_active_gib"),
             sources.cite(name),
         ]
-        for name, _, r in rows
+        for name, data, r in rows
     ]
     headings = ["flavor", "seq_len", "GPUs", "cp", "dp", "checkpointing", "step", "status"]
     headings += ["docs/row", "step (s)", "host", "tokens/s/GPU", "MFU", "MFU (documents)"]
@@ -566,7 +580,7 @@ def _breakdown(results: dict, sources: Sources, plots: dict) -> list[str]:
     if not rows:
         return []
     body = []
-    for name, _, r in rows:
+    for name, data, r in rows:
         breakdown = r["breakdown"]
         categories = breakdown["categories_ms"]
         twice = counted_twice(r)
@@ -579,7 +593,7 @@ def _breakdown(results: dict, sources: Sources, plots: dict) -> list[str]:
                 r["seq_len"],
                 r.get("gpus"),
                 r["cp"],
-                _ac_name(r["ac"]),
+                _mode(data, r),
                 f"{r['step_time_s'] * 1000:.1f}",
                 _ms(breakdown.get("busy_ms")),
                 _ms(exposed.get("fsdp")),
@@ -758,6 +772,10 @@ def _target_rows(data: dict) -> list[list]:
     rows += _cp_efficiency_rows(results)
     rows += _all_to_all_rows(results, data.get("probe", []))
     rows += _gdn_share_rows(results)
+    overrides = _overrides(data)
+    if overrides:  # a run with other settings is another configuration
+        for row in rows:
+            row[1] = re.sub(r"(ac=\S+)", rf"\1 `{overrides}`", row[1], count=1)
     return rows
 
 

@@ -191,6 +191,30 @@ def test_throughput_plot_joins_a_configuration_across_runs_and_keeps_the_latest(
     }
 
 
+def test_a_run_with_overrides_is_its_own_configuration_in_every_table():
+    def run(date, step_s, overrides=()):
+        result = {"flavor": "2B", "seq_len": 16, "cp": 1, "gpus": 1, "dp": 1, "ac": "none"}
+        result |= {"status": "ok", "config": "c.toml", "tokens_per_s_per_gpu": 16 / step_s}
+        result |= {"step_time_s": step_s, "breakdown": {"busy_ms": 100.0, "categories_ms": {}}}
+        options = {"overrides": list(overrides)}
+        return {"environment": {"date": date}, "options": options, "results": [result]}
+
+    files = [
+        ("plain.json", run("2026-12-01 01:00 UTC", 0.120)),
+        ("graphs.json", run("2026-12-01 00:00 UTC", 0.104, ["--compile.cudagraphs"])),
+        ("older.json", run("2026-11-30 00:00 UTC", 0.200)),
+    ]
+    results = {"throughput": files}
+    sources = report.Sources(results)
+    targets = "\n".join(report._targets_section(results, sources, {}))
+    assert "| 2B 16 cp=1 ac=none | 1.200 (120.0 / 100.0 ms) | no (20% over busy) |" in targets
+    graphs_row = "| 2B 16 cp=1 ac=none `--compile.cudagraphs` | 1.040 (104.0 / 100.0 ms) | yes |"
+    assert graphs_row in targets
+    assert "200.0" not in targets  # the older plain run gave way to the newer one
+    rows = "\n".join(report._throughput(results, sources, {}))
+    assert "| none, `--compile.cudagraphs` | trainer |" in rows and "| none | trainer |" in rows
+
+
 def test_bandwidth_target_compares_kernel_time_with_kernel_time_when_the_probe_has_it():
     size = {"bytes": 1024, "gb_per_s": 400.0}
     wall_only = [{"bytes": 1024, "gb_per_s": 320.0}]
