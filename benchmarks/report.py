@@ -765,17 +765,15 @@ def _natural(text: str) -> list:
 
 def _target_rows(data: dict) -> list[list]:
     """The targets, computed from one run's numbers."""
-    results = _ok(data["results"])
+    # A run with other settings than the shipped config's is another configuration.
+    overrides = _overrides(data)
+    results = [{**r, "overrides": overrides} for r in _ok(data["results"])]
     rows = _speedup_rows(results, data.get("transformers", []))
     rows += _busy_rows(results)
     rows += _mfu_rows(results)
     rows += _cp_efficiency_rows(results)
     rows += _all_to_all_rows(results, data.get("probe", []))
     rows += _gdn_share_rows(results)
-    overrides = _overrides(data)
-    if overrides:  # a run with other settings is another configuration
-        for row in rows:
-            row[1] = re.sub(r"(ac=\S+)", rf"\1 `{overrides}`", row[1], count=1)
     return rows
 
 
@@ -856,7 +854,8 @@ def _find(entries: list[dict], **key) -> dict | None:
 
 
 def _config(result: dict) -> str:
-    return f"{result['flavor']} {result['seq_len']} cp={result['cp']} ac={result['ac']}"
+    config = f"{result['flavor']} {result['seq_len']} cp={result['cp']} ac={result['ac']}"
+    return f"{config} `{result['overrides']}`" if result.get("overrides") else config
 
 
 def _met(value, target) -> str | None:
