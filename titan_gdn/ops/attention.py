@@ -7,15 +7,17 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from titan_gdn.ops.backends import resolve_backend
+from titan_gdn.ops.varlen_attention import varlen_attention
 
-ATTN_BACKENDS = ("flex", "sdpa")
+# sdpa: a dense document mask, the simple reference (CPU's default); varlen: torch's flash and
+# cuDNN kernels over the documents (CUDA's default; on CPU a per-document reference); flex:
+# flex attention with a document block mask (CUDA only, compiled).
+ATTN_BACKENDS = ("sdpa", "varlen", "flex")
 
 
 def resolve_attn_backend(device: torch.device, backend: str | None) -> str:
-    # flex is practical only as compiled CUDA kernels; the dense-mask SDPA path is the simple,
-    # correct one everywhere else (and the reference the flex path is tested against).
     return resolve_backend(
-        "attn_backend", backend, device, ("flex",), {"flex": None}, ATTN_BACKENDS
+        "attn_backend", backend, device, ("varlen",), {"flex": None}, ATTN_BACKENDS
     )
 
 
@@ -132,14 +134,23 @@ def document_causal_attention(
     block_mask: BlockMask | None,
     backend: str | None = None,
     query_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, H, Tq, D] over k, v [B, Hkv, Tk, D] (GQA when Hkv < H), scale
     D**-0.5. The keys are the row's first Tk tokens and the queries its Tq tokens from
     `query_start` (Tk = query_start + Tq: context parallel over sequence chunks); by default
     both are the whole row. `block_mask`, for flex, must be that range's
-    (`document_causal_block_mask(document_ids, queries)`); None builds it."""
+    (`document_causal_block_mask(document_ids, queries)`); None builds it. `cu_seqlens`, for
+    varlen: the batch's padded boundaries (`DocumentBoundaries.padded_cu_seqlens`)."""
     backend = resolve_attn_backend(q.device, backend)
     query_len, key_len = q.shape[2], k.shape[2]
+    if backend == "varlen":
+        if cu_seqlens is None:
+            raise ValueError("the varlen attention backend needs the batch's cu_seqlens")
+        tokens_first = (x.transpose(1, 2) for x in (q, k, v))
+        row_len = document_ids.shape[1]
+        out, _ = varlen_attention(*tokens_first, cu_seqlens, row_len, query_start)
+        return out.transpose(1, 2)
     if backend == "flex":
         if block_mask is None:
             block_mask = document_causal_block_mask(

@@ -8,6 +8,7 @@ recompiles for a new document count. The torch backends take that form as it is.
 from __future__ import annotations
 
 import functools
+from itertools import pairwise
 
 import torch
 
@@ -38,6 +39,19 @@ def token_document_starts(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Te
     return cu_seqlens.long()[token_documents(cu_seqlens, num_tokens)]
 
 
+def host_boundaries(cu_seqlens: torch.Tensor) -> list[int]:
+    """The boundaries of the non-empty documents as host integers: the step's one host sync,
+    memoized per boundaries tensor (every layer of a step, forward and backward, gets the
+    same tensor). The kernels that launch work per document (FLA's conv and delta rule, the
+    varlen attention) size their grids from it."""
+    memo = boundaries_memo(cu_seqlens)
+    if "host" not in memo:
+        bounds = cu_seqlens.tolist()  # the whole padded tensor: 4 bytes a token, one copy
+        end = bounds[-1]
+        memo["host"] = bounds[: bounds.index(end) + 1]
+    return memo["host"]
+
+
 def documents_and_chunks(
     cu_seqlens: torch.Tensor, chunk_size: int = FLA_CHUNK_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,19 +60,19 @@ def documents_and_chunks(
     FLA's `prepare_chunk_indices`).
 
     For kernels that launch work per document and per chunk (FLA's): thousands of empty
-    documents would cost launches and were never exercised there. The two counts that size
-    the results are read in one host sync; FLA's own `prepare_chunk_indices` takes two more
-    (a `repeat_interleave` without its output size).
+    documents would cost launches and were never exercised there. The counts that size the
+    results come from `host_boundaries` (FLA's own `prepare_chunk_indices` syncs twice more:
+    a `repeat_interleave` without its output size).
     """
-    counts = (cu_seqlens.diff() + chunk_size - 1).div(chunk_size, rounding_mode="floor")
-    num_documents = torch.searchsorted(cu_seqlens, cu_seqlens[-1:]).squeeze(0)
-    num_documents, num_chunks = torch.stack([num_documents, counts.sum()]).tolist()
-    counts = counts[:num_documents]
+    bounds = host_boundaries(cu_seqlens)
+    num_documents = len(bounds) - 1
+    trimmed = cu_seqlens[: num_documents + 1]
+    counts = (trimmed.diff() + chunk_size - 1).div(chunk_size, rounding_mode="floor")
+    num_chunks = sum(-(-(b - a) // chunk_size) for a, b in pairwise(bounds))
     document = torch.arange(num_documents, device=cu_seqlens.device)
     document = document.repeat_interleave(counts, output_size=num_chunks)
     first_chunk = counts.cumsum(0) - counts
     index = torch.arange(num_chunks, device=cu_seqlens.device) - first_chunk[document]
-    trimmed = cu_seqlens[: num_documents + 1]
     return trimmed, torch.stack([document, index], 1).to(trimmed)
 
 
@@ -66,7 +80,7 @@ def documents_and_chunks(
 def cached_documents_and_chunks():
     """`documents_and_chunks` memoized on the tensor's identity, as FLA memoizes what it
     derives from cu_seqlens: every GDN layer of a step (forward and backward, conv and delta
-    rule) gets the same tensors, and the sync happens once per step."""
+    rule) gets the same tensors."""
     from fla.utils import tensor_cache
 
     return tensor_cache(documents_and_chunks)
@@ -76,16 +90,21 @@ def cached_token_document_starts(cu_seqlens: torch.Tensor, num_tokens: int) -> t
     """`token_document_starts` in int32, memoized on the tensor's identity like
     `cached_documents_and_chunks`: every GDN layer's conv backward asks for it with the same
     boundaries (four small kernels each, 0.1 ms at 32k tokens)."""
-    memo = _memo_per_boundaries()(cu_seqlens)
+    memo = boundaries_memo(cu_seqlens)
     if num_tokens not in memo:
         memo[num_tokens] = token_document_starts(cu_seqlens, num_tokens).int()
     return memo[num_tokens]
 
 
+def boundaries_memo(cu_seqlens: torch.Tensor) -> dict:
+    """A dict per boundaries tensor, for what a step derives from it once: kept for the last
+    few tensors, by identity (a dict keyed by plain values, since a token count, an int, is a
+    new object at every call and would never hit an identity cache as an argument)."""
+    return _identity_cache()(cu_seqlens)
+
+
 @functools.cache
-def _memo_per_boundaries():
-    """A dict per cu_seqlens tensor (FLA's identity cache of the last few): a token count,
-    an int, is a new object at every call and would never hit FLA's cache as an argument."""
+def _identity_cache():
     from fla.utils import tensor_cache
 
     return tensor_cache(lambda cu_seqlens: {})

@@ -111,7 +111,15 @@ class StatePassing:
         """Document-causal attention of this rank's queries q [B, H, Tc, D] over the keys and
         values k, v [B, Hkv, Tc, D] of every chunk up to this one."""
         if self.mesh is None:
-            return document_causal_attention(q, k, v, docs.document_ids, docs.block_mask, backend)
+            return document_causal_attention(
+                q,
+                k,
+                v,
+                docs.document_ids,
+                docs.block_mask,
+                backend,
+                cu_seqlens=docs.padded_cu_seqlens,
+            )
         start, _ = self.chunk(docs.document_ids.shape[1])
         # Only the chunks up to this one hold keys a query here may see.
         k, v = (all_gather(t, self.group_name)[: self.rank + 1] for t in (k, v))
@@ -120,7 +128,7 @@ class StatePassing:
         if block_mask is not None and block_mask.seq_lengths != (q.shape[2], k.shape[2]):
             block_mask = None  # the whole row's mask: built for this chunk instead
         return document_causal_attention(
-            q, k, v, docs.document_ids, block_mask, backend, query_start=start
+            q, k, v, docs.document_ids, block_mask, backend, start, docs.padded_cu_seqlens
         )
 
     def _chunk_starts(self, docs: DocumentBoundaries) -> torch.Tensor:
