@@ -298,3 +298,33 @@ def test_more_ranks_than_documents_fails_instead_of_spinning(tokenizer, tmp_path
     loader = build_packed_dataloader(2, 1, tokenizer, make_job_config("text", path))
     with pytest.raises(ValueError, match="no documents for dp rank 1"):
         next(iter(loader))
+
+
+@pytest.mark.parametrize("resume_after", [1, 7, 20])
+def test_resume_inside_documents_longer_than_rows_keeps_a_small_state(
+    tokenizer, tmp_path, resume_after
+):
+    # Documents of 10-40 rows each: a state saved inside one restarts in it, and holds
+    # positions, not the document's tokens (the loader ships a state with every batch).
+    words = [f"word{i} " for i in range(4000)]
+    long_documents = ["".join(words[i : i + 300 * n]) for i, n in enumerate((3, 1, 4, 2))]
+    path = tmp_path / "long.txt"
+    path.write_text("\n\n".join(long_documents) + "\n", encoding="utf-8")
+    job_config = make_job_config("text", path)
+    total = 30
+
+    uninterrupted = list(
+        itertools.islice(build_packed_dataloader(1, 0, tokenizer, job_config), total)
+    )
+    interrupted = build_packed_dataloader(1, 0, tokenizer, job_config)
+    consumed = list(itertools.islice(interrupted, resume_after))
+    saved = pickle.loads(pickle.dumps(interrupted.state_dict()))
+    assert len(pickle.dumps(saved)) < 2000
+    resumed = build_packed_dataloader(1, 0, tokenizer, job_config)
+    resumed.load_state_dict(saved)
+    continued = list(itertools.islice(resumed, total - resume_after))
+    for (want_in, want_label), (got_in, got_label) in zip(
+        uninterrupted, consumed + continued, strict=True
+    ):
+        assert torch.equal(want_in["input"], got_in["input"])
+        assert torch.equal(want_label, got_label)

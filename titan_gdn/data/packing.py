@@ -24,8 +24,11 @@ class PackedDocumentDataset(IterableDataset, Stateful):
     (blank) documents are skipped and counted in the log. A document longer than a row
     continues in the next row(s); each row starts a new attention segment.
 
-    The state (epoch, documents read in this epoch, unconsumed tokens) is exactly what the
-    generator has consumed at its last yield, so restoring it continues the stream seamlessly.
+    The state is where the first unconsumed token comes from: its document (epoch and index)
+    and how many of that document's tokens the rows took. Restoring it tokenizes again from
+    that document on, so the stream continues seamlessly. A few integers: the loader hands a
+    state to the training process with every batch, and a buffer of tokens there (a whole
+    long document) cost more host time per step than the step's kernel launches.
     """
 
     def __init__(
@@ -56,6 +59,10 @@ class PackedDocumentDataset(IterableDataset, Stateful):
         # Rows are consumed by advancing this offset; copying the list tail per row would be
         # quadratic in the length of a long document.
         self._buffer_start = 0
+        # The documents with tokens in the buffer, oldest first: [epoch, index, tokens the rows
+        # took, tokens left].
+        self._buffered_documents: list[list[int]] = []
+        self._skip = 0  # tokens of the next document tokenized that a restored state consumed
 
     def __iter__(self) -> Iterator[Sample]:
         first, stride = self._shard()
@@ -69,7 +76,11 @@ class PackedDocumentDataset(IterableDataset, Stateful):
                     # BOS + EOS alone teaches nothing but "end right after the start".
                     empty += 1
                     continue
-                self._token_buffer.extend(self.tokenizer.encode(text, add_bos=True, add_eos=True))
+                tokens = self.tokenizer.encode(text, add_bos=True, add_eos=True)[self._skip :]
+                document = [self._epoch, self._documents_read - 1, self._skip, len(tokens)]
+                self._buffered_documents.append(document)
+                self._token_buffer.extend(tokens)
+                self._skip = 0
                 yield from self._full_rows()
             self._check_epoch_had_text(from_epoch_start, empty, stride)
             self._epoch += 1
@@ -77,7 +88,7 @@ class PackedDocumentDataset(IterableDataset, Stateful):
             if not self.infinite:
                 # Dropping the partial row here (not at the start of the next pass) lets a
                 # finite loader, e.g. validation, replay the same rows each time it is iterated.
-                self._token_buffer = []
+                self._token_buffer, self._buffered_documents = [], []
                 return
             logger.info(f"{self.source.description}: starting epoch {self._epoch}")
 
@@ -112,17 +123,28 @@ class PackedDocumentDataset(IterableDataset, Stateful):
             row_end = self._buffer_start + row_len
             row = torch.tensor(self._token_buffer[self._buffer_start : row_end], dtype=torch.long)
             self._buffer_start = row_end
+            self._consume(row_len)
             yield {"input": row[:-1]}, row[1:]
         del self._token_buffer[: self._buffer_start]
         self._buffer_start = 0
 
+    def _consume(self, count: int) -> None:
+        """The rows took `count` more tokens: drop the documents they used up."""
+        while count:
+            document = self._buffered_documents[0]
+            taken = min(count, document[3])
+            document[2] += taken
+            document[3] -= taken
+            count -= taken
+            if document[3] == 0:
+                self._buffered_documents.pop(0)
+
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "source": self.source.description,
-            "epoch": self._epoch,
-            "documents_read": self._documents_read,
-            "token_buffer": self._token_buffer[self._buffer_start :],
-        }
+        if self._buffered_documents:  # resume inside the oldest buffered document
+            epoch, index, skip, _ = self._buffered_documents[0]
+        else:  # nothing buffered: the next document
+            epoch, index, skip = self._epoch, self._documents_read, 0
+        return {"source": self.source.description, "epoch": epoch, "document": index, "skip": skip}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("source") != self.source.description:
@@ -131,9 +153,9 @@ class PackedDocumentDataset(IterableDataset, Stateful):
                 f"{self.source.description}; the document position may not line up"
             )
         self._epoch = state_dict["epoch"]
-        self._documents_read = state_dict["documents_read"]
-        self._token_buffer = list(state_dict["token_buffer"])
-        self._buffer_start = 0
+        self._documents_read = state_dict["document"]
+        self._skip = state_dict["skip"]
+        self._token_buffer, self._buffered_documents, self._buffer_start = [], [], 0
 
 
 def documents_per_row(input_ids: torch.Tensor, eos_id: int) -> int:
