@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks import corpora
 from benchmarks.records import OOM_MESSAGES, REPO_ROOT, command_line
 from titan_gdn.cpu import use_cpu_if_no_accelerator
 from titan_gdn.ops.local_memory import outside_allocator_gib
@@ -84,6 +85,7 @@ class Options:
     warmup: int = 3
     config: str | None = None  # None: each flavor's shipped config (SHIPPED_CONFIGS)
     compile: str = "config"  # "config" (as the config says), "none", or a backend name
+    corpus: str = "short"  # the rows' document lengths: benchmarks/corpora.py
     overrides: tuple[str, ...] = ()  # more run_train.sh arguments, appended last
 
 
@@ -99,6 +101,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         warmup=args.warmup,
         config=args.config,
         compile=args.compile,
+        corpus=args.corpus,
         overrides=tuple(overrides),
     )
 
@@ -285,7 +288,7 @@ def trainer_arguments(run: RunConfig, opts: Options) -> list[str]:
         arguments += ["--compile.enable", "--compile.backend", opts.compile]
     arguments += ["--checkpoint.no-enable", "--metrics.no-enable-tensorboard"]
     arguments += ["--job.dump_folder", str(BENCHMARK_DUMP_FOLDER)]
-    return arguments + list(opts.overrides)
+    return arguments + corpora.trainer_settings(opts.corpus) + list(opts.overrides)
 
 
 def _flavor_max_seq_len(flavor: str) -> int:

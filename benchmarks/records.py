@@ -34,6 +34,13 @@ def add_training_arguments(parser: argparse.ArgumentParser, steps: int, warmup: 
         "enable it with (inductor, aot_eager)",
     )
     parser.add_argument(
+        "--corpus",
+        default="short",
+        choices=("short", "one-document", "long-tail"),
+        help="the rows' document lengths (benchmarks/corpora.py): the bundled corpus's short "
+        "documents, one document a row, or a long-tailed mix",
+    )
+    parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
