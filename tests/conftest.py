@@ -1,10 +1,18 @@
 import copy
+import os
+import shutil
+import subprocess
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 from torch._prims.rng_prims import run_with_rng_state
 from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = Path(__file__).resolve().parents[1]
+# What the shipped configs and the README's commands name relative to the checkout's root.
+CHECKOUT_INPUTS = ("assets", "train_configs")
 
 # How many gpu-marked tests `pytest_collection_modifyitems` deselected, for the line that says so.
 GPU_TESTS_DESELECTED = pytest.StashKey[int]()
@@ -54,6 +62,40 @@ def perturbed_debug_model(flavor: str = "debugmodel", **overrides):
     model.init_weights()
     perturb_norms_and_gates(model)
     return model
+
+
+@pytest.fixture(autouse=True)
+def working_directory_outside_the_checkout(tmp_path_factory, monkeypatch):
+    """Each test runs in a fresh working directory where the configs' relative paths
+    (./assets/tokenizer, train_configs/...) lead to the checkout's files and their dump folders
+    (./outputs/...) are new. So what a user trained in the checkout cannot change a test's
+    outcome, and a test that writes with the default paths writes here, not into the checkout.
+    PYTHONPATH names the checkout: a child process started here (`python -c ...`) imports its
+    packages, as this one does, not an installed copy."""
+    workdir = tmp_path_factory.mktemp("cwd")
+    for name in CHECKOUT_INPUTS:
+        (workdir / name).symlink_to(REPO / name, target_is_directory=True)
+    monkeypatch.chdir(workdir)
+    pythonpath = [str(REPO), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, pythonpath)))
+
+
+def copy_checkout(destination: Path) -> None:
+    """The checkout's tracked and untracked, not ignored files (no outputs/, no caches) into
+    `destination`: a checkout as a new user clones it, for commands that write beside their
+    own code (run_train.sh's ./outputs, the benchmarks' outputs/benchmarks)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        source = REPO / name
+        if source.is_file():
+            target = destination / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
 
 
 @pytest.fixture(scope="session")

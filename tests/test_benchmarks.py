@@ -18,17 +18,26 @@ from benchmarks import report, throughput
 from benchmarks.breakdown import categorize
 from benchmarks.common import guarded
 from benchmarks.memory import find_longest
+from tests.conftest import copy_checkout
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 # One step per stage and eager blocks keep this under a minute on two cores; compiled blocks
 # are what tests/test_compile.py checks.
 FAST = ["--warmup", "1", "--steps", "1", "--compile", "none"]
 
 
-def _run(command: list[str], timeout: float = 300) -> None:
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    """A copy of the checkout to run the scripts in: they write their trainer's dump folder
+    under their own root (outputs/benchmarks), which must not be the checkout's."""
+    root = tmp_path_factory.mktemp("benchmarks") / "repo"
+    copy_checkout(root)
+    return root
+
+
+def _run(command: list[str], checkout: Path, timeout: float = 300) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        command, cwd=checkout, env=env, capture_output=True, text=True, timeout=timeout
     )
     assert result.returncode == 0, result.stdout[-3000:] + _first_error(result.stderr)
 
@@ -43,7 +52,7 @@ def _first_error(stderr: str, chars: int = 6000) -> str:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> Path:
+def results(tmp_path_factory, checkout) -> Path:
     """The JSON of a 2-process throughput run (cp=1 and cp=2, all references) and of a
     one-trial memory search, in one folder, as docs/results/ holds them."""
     folder = tmp_path_factory.mktemp("results")
@@ -52,12 +61,14 @@ def results(tmp_path_factory) -> Path:
         [*torchrun, "--nproc_per_node", "2", "-m", "benchmarks.throughput"]
         + ["--flavors", "debugmodel", "--seq-lens", "64", "--cp", "1", "2"]
         + ["--references", "transformers", "kernel", "probe"]
-        + ["--out", str(folder / "throughput.json"), *FAST]
+        + ["--out", str(folder / "throughput.json"), *FAST],
+        checkout,
     )
     _run(
         [sys.executable, "-m", "benchmarks.memory", "--flavor", "debugmodel", "--cp", "1"]
         + ["--ac", "none", "--start", "64", "--limit", "64", "--granularity", "32"]
-        + ["--out", str(folder / "memory.json"), "--log-dir", str(folder / "logs"), *FAST]
+        + ["--out", str(folder / "memory.json"), "--log-dir", str(folder / "logs"), *FAST],
+        checkout,
     )
     return folder
 
@@ -534,7 +545,7 @@ def test_every_checkpointing_mode_runs_its_cp_degrees_back_to_back():
     assert throughput.parse_args(["--out", "x.json"]).ac == ["none"]
 
 
-def test_the_benchmark_trains_exactly_what_run_train_sh_trains(tmp_path, monkeypatch):
+def test_the_benchmark_trains_exactly_what_run_train_sh_trains(tmp_path, monkeypatch, checkout):
     """The throughput benchmark's steps are run_train.sh's: same config, data, seed, precision
     and parallel layout give the same loss at every step, to the digits the trainer logs. A
     benchmark that rebuilt the step itself (another batch, another mixed precision, FSDP where
@@ -550,7 +561,8 @@ def test_the_benchmark_trains_exactly_what_run_train_sh_trains(tmp_path, monkeyp
         [sys.executable, "-m", "benchmarks.throughput", "--flavors", "debugmodel"]
         + ["--seq-lens", "128", "--no-profile", "--out", str(out)]
         + ["--warmup", "1", "--steps", "2", "--compile", "none"]
-        + [arg for setting in settings for arg in ("--set", setting)]
+        + [arg for setting in settings for arg in ("--set", setting)],
+        checkout,
     )
     (result,) = json.loads(out.read_text())["results"]
     _, steps = _train_ok(

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import copy_checkout
+
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 MARKED_BLOCK = re.compile(r"<!--\s*test:\s*(\w+)[^>]*-->\s*\n```bash\n(.*?)\n```", re.DOTALL)
@@ -87,21 +89,6 @@ def test_relative_links_point_at_files_and_headings():
     assert not missing, missing
 
 
-def _copy_checkout(destination: Path) -> None:
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    for name in filter(None, listed.split("\0")):
-        source = REPO / name
-        if source.is_file():
-            target = destination / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
-
-
 def _tiny_hf_checkpoint(folder: Path) -> None:
     """A transformers Qwen3.5 folder (config.json, safetensors, the bundled tokenizer) whose
     vocabulary covers the bundled tokenizer."""
@@ -122,7 +109,7 @@ def _tiny_hf_checkpoint(folder: Path) -> None:
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("docs_commands") / "repo"
-    _copy_checkout(root)
+    copy_checkout(root)
     _tiny_hf_checkpoint(root / "hf_model")
     return {"root": root, "ran": set()}
 

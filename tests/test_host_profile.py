@@ -3,17 +3,19 @@
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import copy_checkout
 
 
 def test_host_profile_times_the_step_and_profiles_forward_and_backward(tmp_path):
     out = tmp_path / "host.txt"
+    # In a copy: the script's trainer writes its dump folder under its own root.
+    checkout = tmp_path / "repo"
+    copy_checkout(checkout)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     command += ["1", "scripts/host_profile.py", "--flavor", "debugmodel", "--seq-len", "64"]
     command += ["--ac", "none", "--compile", "none", "--out", str(out)]
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, cwd=checkout, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     text = out.read_text()
     step_ms, host_ms = map(

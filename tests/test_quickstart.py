@@ -1,16 +1,16 @@
 """The quickstart as the README gives it: `./run_train.sh`, no arguments, on CPU.
 
-It runs in a temporary copy of the checkout (run_train.sh, titan_gdn, assets, train_configs),
-so that it writes that copy's outputs/debug_model as a user's first run would, and neither
-reads nor overwrites the checkout's own outputs/. Then the run's checkpoint is sampled with
-`python -m titan_gdn.generate` and resumed for two more steps.
+It runs in a temporary copy of the checkout (its tracked and untracked, not ignored files), so
+that it writes that copy's outputs/debug_model as a user's first run would, and neither reads
+nor overwrites the checkout's own outputs/. Then the run's checkpoint is sampled with
+`python -m titan_gdn.generate` and resumed for two more steps, and the README's next command,
+the tests, passes in that copy.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,14 +18,23 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-COPIED = ("run_train.sh", "titan_gdn", "assets", "train_configs")
+from tests.conftest import copy_checkout
+
 STEP_LINE = re.compile(
     r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s.*docs: [0-9.,]+  "
     r"progress: (\d+)/(\d+)  elapsed: (\d+:\d\d)  eta: (\d+:\d\d)$"
 )
 NOISE = ("lspci", "Peak flops", "Peak FLOPS", "safetensors.index.json", "torchtitan version")
 STEPS, LOG_FREQ, PROMPT = 60, 10, "ROMEO:"
+# Tests that read the default dump folder, ./outputs/debug_model, if they run in the checkout:
+# after the quickstart it holds a checkpoint of one data-parallel rank, which a config for two
+# ranks may not resume from.
+VALIDATION_TESTS = (
+    "tests/test_reliability.py::test_shipped_configs_pass_validation",
+    "tests/test_reliability.py::test_world_size_that_does_not_fit_the_degrees_is_refused",
+    "tests/test_reliability.py::test_cuda_graphs_are_refused_where_they_cannot_replay",
+)
+CACHES = {"__pycache__", ".pytest_cache"}
 
 pytestmark = pytest.mark.skipif(
     torch.accelerator.is_available(), reason="the CPU quickstart; GPU runs live in tests/gpu"
@@ -42,12 +51,7 @@ def _run(command: list[str], cwd: Path) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory) -> tuple[Path, str]:
     checkout = tmp_path_factory.mktemp("quickstart")
-    for name in COPIED:
-        source = REPO / name
-        if source.is_dir():
-            shutil.copytree(source, checkout / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(source, checkout / name)
+    copy_checkout(checkout)
     code, output = _run(["./run_train.sh"], checkout)
     assert code == 0, output[-6000:]
     return checkout, output
@@ -113,6 +117,21 @@ def test_the_last_step_checkpoint_samples_and_resumes(quickstart):
 
 def _resumed_steps(output: str) -> list[int]:
     return [int(m.group(1)) for m in re.finditer(r"step:\s*(\d+)\s+loss:.*progress: ", output)]
+
+
+def test_the_tests_pass_after_it_and_write_nothing_into_the_checkout(quickstart, tmp_path):
+    checkout, _ = quickstart
+    before = _files(checkout)
+    command = [sys.executable, "-m", "pytest", "-m", "not gpu", *VALIDATION_TESTS]
+    code, output = _run([*command, "--basetemp", str(tmp_path / "basetemp")], checkout)
+    assert code == 0, output[-6000:]
+    assert _files(checkout) - before == set()
+
+
+def _files(folder: Path) -> set[Path]:
+    """The files under `folder`, caches left out."""
+    files = (path.relative_to(folder) for path in folder.rglob("*") if path.is_file())
+    return {path for path in files if CACHES.isdisjoint(path.parts)}
 
 
 @pytest.mark.parametrize(

@@ -270,12 +270,13 @@ def test_every_problem_of_a_bad_config_is_reported_at_once(tmp_path):
         ("qwen3_5_0.8b_cp2.toml", 4),
     ],
 )
-def test_shipped_configs_pass_validation(config, world_size, monkeypatch):
+def test_shipped_configs_pass_validation(config, world_size):
     from torchtitan.config import ConfigManager
 
     from titan_gdn.validation import validate_job_config
 
-    monkeypatch.chdir(REPO)  # the configs' paths are relative to the repository root
+    # The configs' paths are relative to the checkout's root: the working directory
+    # (conftest.py) has its train_configs and assets, and outputs of its own.
     job_config = ConfigManager().parse_args(["--job.config_file", f"train_configs/{config}"])
     assert job_config.training.skip_nonfinite_loss_steps == 0  # titan_gdn's settings merged in
     validate_job_config(job_config, world_size)
