@@ -250,6 +250,18 @@ def time_ms(fn, q, k, v, grad, rows, reps: int) -> float:
     return statistics.median(times)
 
 
+def _environment() -> dict:
+    from types import SimpleNamespace
+
+    from benchmarks.common import environment
+
+    device = torch.device("cuda")
+    runtime = SimpleNamespace(
+        device=device, cuda=True, world_size=1, device_name=lambda: torch.cuda.get_device_name()
+    )
+    return environment(runtime, MODULE)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     device = torch.device("cuda")

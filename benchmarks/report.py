@@ -208,9 +208,12 @@ def _ac_name(ac: str | None) -> str | None:
 
 
 def _overrides(data: dict) -> str | None:
-    """The settings the run changed from the shipped config (`--set`), as run_train.sh takes
-    them."""
-    return " ".join(data.get("options", {}).get("overrides", [])) or None
+    """What the run changed from the shipped config: its rows' corpus (where not the bundled
+    short documents) and its settings (`--set`), as the benchmark and run_train.sh take them."""
+    options = data.get("options", {})
+    corpus = options.get("corpus", "short")
+    changed = ([f"--corpus {corpus}"] if corpus != "short" else []) + options.get("overrides", [])
+    return " ".join(changed) or None
 
 
 def _mode(data: dict, result: dict) -> str | None:
@@ -723,6 +726,32 @@ def _kernel(results: dict, sources: Sources, plots: dict) -> list[str]:
         "",
     ]
     return intro + table(headings, body) + sources.listing(_sources_of(rows))
+
+
+@question("How fast is attention alone at Qwen3.5's shape?")
+def _attention(results: dict, sources: Sources, plots: dict) -> list[str]:
+    files = results.get("attention", [])
+    body = []
+    for name, data in files:
+        shape = data["shape"]
+        for r in data["results"]:
+            heads = f"{shape['heads']}/{shape['kv_heads']} x {shape['head_dim']}"
+            row = [r["tokens"], r["documents"], heads, r["candidate"], r["ms"], r["tflops"]]
+            body.append([*row, sources.cite(name)])
+    if not body:
+        return []
+    body.sort(key=lambda row: (-row[0] if row[1] == 1 else 0, row[1], row[4]))
+    headings = ["tokens", "documents", "heads (q/kv) x dim", "kernel", "fwd+bwd ms"]
+    headings += ["TFLOP/s", "file"]
+    intro = [
+        "Document-causal attention of one row, bf16, forward and backward "
+        "(`python -m benchmarks.attention`): `titan_gdn` is the training path "
+        "(`attn_backend = varlen`), the others the kernels it was chosen among. TFLOP/s counts "
+        "the pairs inside documents only; every kernel's output and gradients were first "
+        "checked against the fp32 dense mask.",
+        "",
+    ]
+    return intro + table(headings, body) + sources.listing([name for name, _ in files])
 
 
 @question("Are the targets met?")
