@@ -4,7 +4,8 @@ Every ```bash block on those pages is preceded by a marker comment saying how it
 
     <!-- test: cpu -->      run here, verbatim, in a copy of the repository
     <!-- test: gpu -->      needs CUDA: not run in CI
-    <!-- test: install -->  installs packages: CI's own install step runs it
+    <!-- test: install -->  installs packages: not run here; CI runs it, line for line, as its
+                            install step (.ci/run, checked below)
     <!-- test: skip ... --> not run, the comment says why
 
 The cpu blocks of all pages run in one copy of the checkout (its tracked and untracked,
@@ -59,6 +60,23 @@ def test_every_bash_block_says_how_it_is_tested():
         )
         for kind, _ in blocks:
             assert kind in KINDS, f"{_page_id(page)}: unknown marker kind {kind!r}"
+
+
+def _commands(body: str) -> list[str]:
+    """The command lines of a block, without comments."""
+    lines = (line.split(" #", 1)[0].strip() for line in body.splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_ci_installs_as_the_install_blocks_say():
+    ci_lines = set(_commands((REPO / ".ci" / "run").read_text()))
+    install_blocks = [
+        (page, body) for page in PAGES for kind, body in _blocks(page) if kind == "install"
+    ]
+    assert install_blocks
+    for page, body in install_blocks:
+        missing = [command for command in _commands(body) if command not in ci_lines]
+        assert not missing, f"{_page_id(page)}: .ci/run does not run {missing}"
 
 
 def _anchors(page: Path) -> set[str]:
