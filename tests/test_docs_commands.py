@@ -11,9 +11,8 @@ Every ```bash block on those pages is preceded by a marker comment saying how it
 The cpu blocks of all pages run in one copy of the checkout (its tracked and untracked,
 not ignored files), page after page and in page order, so a block may use what an earlier
 block of its page wrote; a block whose text already ran (the quickstart, on two pages) runs
-once. `./hf_model` in that copy is a tiny random transformers Qwen3.5 checkpoint, standing in
-for the one docs/checkpoints.md asks the user to bring. Only exit codes are checked (and the
-files a recipe promises): the quickstart's output and losses are free to change.
+once. Only exit codes are checked (and the files a recipe promises): the quickstart's output
+and losses are free to change.
 """
 
 from __future__ import annotations
@@ -120,28 +119,10 @@ def _copy_checkout(destination: Path) -> None:
             shutil.copy2(source, target)
 
 
-def _tiny_hf_checkpoint(folder: Path) -> None:
-    """A transformers Qwen3.5 folder (config.json, safetensors, the bundled tokenizer) whose
-    vocabulary covers the bundled tokenizer."""
-    from tokenizers import Tokenizer
-
-    from benchmarks.references import transformers_qwen3_5_module
-    from tests.hf_reference import random_hf_model, tiny_hf_config
-
-    tokenizer_dir = REPO / "assets" / "tokenizer"
-    vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
-    config = tiny_hf_config(tied=True, vocab_size=max(2048, vocab))
-    model = random_hf_model(transformers_qwen3_5_module(torch_path=True), config, seed=21)
-    model.save_pretrained(folder, safe_serialization=True)
-    for tokenizer_file in tokenizer_dir.iterdir():
-        shutil.copy(tokenizer_file, folder)
-
-
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("docs_commands") / "repo"
     _copy_checkout(root)
-    _tiny_hf_checkpoint(root / "hf_model")
     return {"root": root, "ran": set()}
 
 
@@ -162,6 +143,7 @@ def _run_block(root: Path, body: str) -> subprocess.CompletedProcess:
 
 # What a block promises on disk, checked after it ran: (text in the block, path).
 PROMISED_FILES = [
+    ("titan_gdn.tiny_hf_checkpoint", "hf_model/model.safetensors"),
     ("--checkpoint.last_save_in_hf", "outputs/finetune/checkpoint/step-20/config.json"),
     ("--checkpoint.create_seed_checkpoint", "outputs/seed/checkpoint/step-0/.metadata"),
 ]
