@@ -61,6 +61,42 @@ def test_every_bash_block_says_how_it_is_tested():
             assert kind in KINDS, f"{_page_id(page)}: unknown marker kind {kind!r}"
 
 
+# The hand-written pages (docs/performance.md is generated from docs/results/).
+WRITTEN_PAGES = [REPO / "CONTRIBUTING.md", *(p for p in PAGES if p.name != "performance.md")]
+COMMIT_HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+CODE_FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
+
+
+def _table_cells(row: str) -> int:
+    """The cells of a markdown table row; `|` inside backticks or escaped is text."""
+    text = re.sub(r"`[^`]*`|\\\|", "x", row.strip())
+    return len(text.strip("|").split("|"))
+
+
+def test_every_table_row_has_the_cells_of_its_header():
+    uneven = []
+    for page in [REPO / "CONTRIBUTING.md", *PAGES]:
+        lines = CODE_FENCE.sub("", page.read_text()).splitlines()
+        header = None
+        for line in lines:
+            if not line.startswith("|"):
+                header = None
+            elif header is None:
+                header = _table_cells(line)
+            elif _table_cells(line) != header:
+                uneven.append(f"{_page_id(page)}: {header} cells in the header, {line}")
+    assert not uneven, uneven
+
+
+def test_the_written_pages_name_no_commit():
+    named = [
+        f"{_page_id(page)}: {match.group(0)}"
+        for page in WRITTEN_PAGES
+        for match in COMMIT_HASH.finditer(page.read_text())
+    ]
+    assert not named, named
+
+
 def _commands(body: str) -> list[str]:
     """The command lines of a block, without comments."""
     lines = (line.split(" #", 1)[0].strip() for line in body.splitlines())
