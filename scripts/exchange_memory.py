@@ -11,9 +11,10 @@ Exchanges:
   (with `titan_gdn.cpu.exchange_shards_by_all_to_all`) on CPU runs `_dtensor.shard_dim_alltoall`;
 - `dtensor-gather`: the same with torch's own CPU fallback (all-gather, then a chunk);
 - `op`: the custom op `titan_gdn::all_to_all` of `titan_gdn/parallel/head_sharding.py` as it
-  was at `--op-from COMMIT` (the last one that has it), on the model's current projections.
+  is at `--op-from COMMIT` (default: the last commit that has it, read from git history), on
+  the model's current projections.
 
-    python scripts/exchange_memory.py --op-from COMMIT --seq-len 4096
+    python scripts/exchange_memory.py --seq-len 4096
 
 A run can be split (`--exchange`, `--batch`, `--compiled`, `--ac` pick a part of the grid):
 with `--results FILE`, each run adds its peaks to the JSON file and prints the table of all.
@@ -43,6 +44,8 @@ sys.path.insert(0, str(REPO))  # run as a script: the repo's packages
 
 EOS = 0
 EXCHANGES = ["dtensor", "dtensor-gather", "op"]
+# The last commit whose head_sharding.py has the custom op `titan_gdn::all_to_all`.
+CUSTOM_OP_COMMIT = "8dedaf6"
 AC_MODES = {"none": ("none", "op"), "selective op": ("selective", "op"), "full": ("full", "op")}
 
 
@@ -191,7 +194,11 @@ def _table(peaks: dict, seq_len: int, cp: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--op-from", help="a commit that has titan_gdn::all_to_all")
+    parser.add_argument(
+        "--op-from",
+        default=CUSTOM_OP_COMMIT,
+        help=f"a commit that has titan_gdn::all_to_all (default {CUSTOM_OP_COMMIT}, the last one)",
+    )
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--cp", type=int, default=2)
@@ -201,9 +208,7 @@ def main() -> None:
     parser.add_argument("--ac", nargs="+", choices=list(AC_MODES), default=list(AC_MODES))
     parser.add_argument("--results", type=Path, help="a JSON file of peaks to add to")
     args = parser.parse_args()
-    exchanges = args.exchange or [e for e in EXCHANGES if e != "op" or args.op_from]
-    if "op" in exchanges and not args.op_from:
-        parser.error("--exchange op needs --op-from COMMIT")
+    exchanges = args.exchange or EXCHANGES
     peaks = {}
     if args.results and args.results.exists():
         stored = json.loads(args.results.read_text())

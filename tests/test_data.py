@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import logging
 import pickle
 from pathlib import Path
 
@@ -130,6 +131,21 @@ def test_infinite_mode_reloops_carrying_leftover_tokens(tokenizer, text_file, do
     stream = token_stream(loader, max_batches=3 * len(epoch) // (BATCH * (SEQ_LEN + 1)))
     assert stream == (epoch * 3)[: len(stream)]
     assert len(stream) > 2 * len(epoch)
+
+
+def test_a_small_corpus_logs_its_first_repeat_only(tokenizer, tmp_path, caplog):
+    """Three short documents in rows of 64 tokens: every row spans several epochs."""
+    documents = ["First document,\nits second line.", "Second document.", "Third one."]
+    path = tmp_path / "docs.txt"
+    path.write_text("\n\n".join(documents) + "\n")
+    loader = build_packed_dataloader(1, 0, tokenizer, make_job_config("text", path, 64))
+    epoch = encoded(tokenizer, documents)
+    with caplog.at_level(logging.INFO):
+        stream = token_stream(loader, max_batches=3)
+    assert len(stream) > 10 * len(epoch)
+    epoch_records = [r.getMessage() for r in caplog.records if "epoch" in r.getMessage()]
+    assert len(epoch_records) == 1, epoch_records
+    assert "starting epoch 1" in epoch_records[0]
 
 
 def batches_per_epoch(tokenizer, documents) -> float:

@@ -4,22 +4,21 @@ Every ```bash block on those pages is preceded by a marker comment saying how it
 
     <!-- test: cpu -->      run here, verbatim, in a copy of the repository
     <!-- test: gpu -->      needs CUDA: not run in CI
-    <!-- test: install -->  installs packages: CI's own install step runs it
+    <!-- test: install -->  installs packages: not run here; CI runs it, line for line, as its
+                            install step (.ci/run, checked below)
     <!-- test: skip ... --> not run, the comment says why
 
 The cpu blocks of all pages run in one copy of the checkout (its tracked and untracked,
 not ignored files), page after page and in page order, so a block may use what an earlier
 block of its page wrote; a block whose text already ran (the quickstart, on two pages) runs
-once. `./hf_model` in that copy is a tiny random transformers Qwen3.5 checkpoint, standing in
-for the one docs/checkpoints.md asks the user to bring. Only exit codes are checked (and the
-files a recipe promises): the quickstart's output and losses are free to change.
+once. Only exit codes are checked (and the files a recipe promises): the quickstart's output
+and losses are free to change.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +62,59 @@ def test_every_bash_block_says_how_it_is_tested():
             assert kind in KINDS, f"{_page_id(page)}: unknown marker kind {kind!r}"
 
 
+# The hand-written pages (docs/performance.md is generated from docs/results/).
+WRITTEN_PAGES = [REPO / "CONTRIBUTING.md", *(p for p in PAGES if p.name != "performance.md")]
+COMMIT_HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+CODE_FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
+
+
+def _table_cells(row: str) -> int:
+    """The cells of a markdown table row; `|` inside backticks or escaped is text."""
+    text = re.sub(r"`[^`]*`|\\\|", "x", row.strip())
+    return len(text.strip("|").split("|"))
+
+
+def test_every_table_row_has_the_cells_of_its_header():
+    uneven = []
+    for page in [REPO / "CONTRIBUTING.md", *PAGES]:
+        lines = CODE_FENCE.sub("", page.read_text()).splitlines()
+        header = None
+        for line in lines:
+            if not line.startswith("|"):
+                header = None
+            elif header is None:
+                header = _table_cells(line)
+            elif _table_cells(line) != header:
+                uneven.append(f"{_page_id(page)}: {header} cells in the header, {line}")
+    assert not uneven, uneven
+
+
+def test_the_written_pages_name_no_commit():
+    named = [
+        f"{_page_id(page)}: {match.group(0)}"
+        for page in WRITTEN_PAGES
+        for match in COMMIT_HASH.finditer(page.read_text())
+    ]
+    assert not named, named
+
+
+def _commands(body: str) -> list[str]:
+    """The command lines of a block, without comments."""
+    lines = (line.split(" #", 1)[0].strip() for line in body.splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_ci_installs_as_the_install_blocks_say():
+    ci_lines = set(_commands((REPO / ".ci" / "run").read_text()))
+    install_blocks = [
+        (page, body) for page in PAGES for kind, body in _blocks(page) if kind == "install"
+    ]
+    assert install_blocks
+    for page, body in install_blocks:
+        missing = [command for command in _commands(body) if command not in ci_lines]
+        assert not missing, f"{_page_id(page)}: .ci/run does not run {missing}"
+
+
 def _anchors(page: Path) -> set[str]:
     """GitHub's anchors for the headings of `page`."""
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
@@ -89,28 +141,10 @@ def test_relative_links_point_at_files_and_headings():
     assert not missing, missing
 
 
-def _tiny_hf_checkpoint(folder: Path) -> None:
-    """A transformers Qwen3.5 folder (config.json, safetensors, the bundled tokenizer) whose
-    vocabulary covers the bundled tokenizer."""
-    from tokenizers import Tokenizer
-
-    from benchmarks.references import transformers_qwen3_5_module
-    from tests.hf_reference import random_hf_model, tiny_hf_config
-
-    tokenizer_dir = REPO / "assets" / "tokenizer"
-    vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
-    config = tiny_hf_config(tied=True, vocab_size=max(2048, vocab))
-    model = random_hf_model(transformers_qwen3_5_module(torch_path=True), config, seed=21)
-    model.save_pretrained(folder, safe_serialization=True)
-    for tokenizer_file in tokenizer_dir.iterdir():
-        shutil.copy(tokenizer_file, folder)
-
-
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("docs_commands") / "repo"
     copy_checkout(root)
-    _tiny_hf_checkpoint(root / "hf_model")
     return {"root": root, "ran": set()}
 
 
@@ -131,6 +165,7 @@ def _run_block(root: Path, body: str) -> subprocess.CompletedProcess:
 
 # What a block promises on disk, checked after it ran: (text in the block, path).
 PROMISED_FILES = [
+    ("titan_gdn.tiny_hf_checkpoint", "hf_model/model.safetensors"),
     ("--checkpoint.last_save_in_hf", "outputs/finetune/checkpoint/step-20/config.json"),
     ("--checkpoint.create_seed_checkpoint", "outputs/seed/checkpoint/step-0/.metadata"),
 ]

@@ -186,3 +186,17 @@ def test_bad_input_fails_before_any_weight_is_read(
     assert message in err, err
     if case == "flavor mismatch":
         assert err.strip().endswith("pass --flavor debugmodel"), err
+
+
+def test_documents_after_an_end_of_text_follow_a_blank_line():
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from titan_gdn.generate import encode_prompt, render
+
+    tokenizer = HuggingFaceTokenizer(str(TOKENIZER))
+    prompt_ids = encode_prompt(tokenizer, PROMPT)
+    first = tokenizer.encode("\nGood night.", add_bos=False, add_eos=True)
+    second = tokenizer.encode("JULIET:\nAy.", add_bos=True, add_eos=False)
+    text = render(tokenizer, PROMPT, prompt_ids, first + second)
+    assert text == "ROMEO:\nGood night.\n\nJULIET:\nAy."
+    assert render(tokenizer, PROMPT, prompt_ids, first[:-1]) == "ROMEO:\nGood night."

@@ -9,6 +9,7 @@ the tests, passes in that copy.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -24,7 +25,15 @@ STEP_LINE = re.compile(
     r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s.*docs: [0-9.,]+  "
     r"progress: (\d+)/(\d+)  elapsed: (\d+:\d\d)  eta: (\d+:\d\d)$"
 )
-NOISE = ("lspci", "Peak flops", "Peak FLOPS", "safetensors.index.json", "torchtitan version")
+NOISE = (
+    "lspci",
+    "Peak flops",
+    "Peak FLOPS",
+    "safetensors.index.json",
+    "torchtitan version",
+    "[GC]",
+    "Sleeping 2 seconds for other ranks",  # there are none
+)
 STEPS, LOG_FREQ, PROMPT = 60, 10, "ROMEO:"
 # Tests that read the default dump folder, ./outputs/debug_model, if they run in the checkout:
 # after the quickstart it holds a checkpoint of one data-parallel rank, which a config for two
@@ -35,6 +44,8 @@ VALIDATION_TESTS = (
     "tests/test_reliability.py::test_cuda_graphs_are_refused_where_they_cannot_replay",
 )
 CACHES = {"__pycache__", ".pytest_cache"}
+SAMPLE_TOKENS = 64  # the debug config's [sample] max_new_tokens
+TITAN_RECORD = re.compile(r"\[titan\] \S+ \S+ - root - ")
 
 pytestmark = pytest.mark.skipif(
     torch.accelerator.is_available(), reason="the CPU quickstart; GPU runs live in tests/gpu"
@@ -83,10 +94,15 @@ def test_a_readable_sample_is_printed(quickstart):
     _, output = quickstart
     lines = output.splitlines()
     heading = next(i for i, line in enumerate(lines) if f"Sample after step {STEPS}" in line)
-    sample = lines[heading + 1].split("]:", 1)[-1]  # after torchrun's "[rank0]:" prefix
-    assert sample.startswith(PROMPT), lines[heading : heading + 5]
-    words = " ".join(lines[heading + 1 : heading + 20]).split()
-    assert len(words) > 10, lines[heading : heading + 20]  # whitespace survives the tokenizer
+    # As long as asked for: it goes on past the end of a document.
+    assert f"{SAMPLE_TOKENS} new tokens" in lines[heading], lines[heading]
+    sample_lines = list(
+        itertools.takewhile(lambda line: not TITAN_RECORD.search(line), lines[heading + 1 :])
+    )
+    sample = [line.split("]:", 1)[-1] for line in sample_lines]  # after torchrun's "[rank0]:"
+    assert sample[0].startswith(PROMPT), lines[heading : heading + 5]
+    words = " ".join(sample).split()
+    assert len(words) > 10, sample  # whitespace survives the tokenizer
 
 
 def test_the_console_has_no_trace_warnings_or_colors(quickstart):
@@ -96,6 +112,15 @@ def test_the_console_has_no_trace_warnings_or_colors(quickstart):
         assert noise not in output, noise
     assert "\x1b[" not in output
     assert '"vocab_size"' not in output  # the model args are in model_args.json instead
+    # Read once for the config check and the trainer.
+    assert output.count("Loading tokenizer from") == 1, output[:3000]
+
+
+def test_the_dump_folder_holds_no_empty_trace_folder(quickstart):
+    checkout, _ = quickstart
+    dump = checkout / "outputs" / "debug_model"
+    assert (dump / "checkpoint").is_dir()
+    assert not (dump / "comm_traces").exists()
 
 
 def test_the_last_step_checkpoint_samples_and_resumes(quickstart):
@@ -148,6 +173,8 @@ def _files(folder: Path) -> set[Path]:
         ),
         ("torchtitan version: 0.2.2 (0.0.0 means __version__ is not defined correctly).", False),
         ("Warmup steps (200) exceed total steps (30). Adjusting warmup steps to 30.", True),
+        ("[GC] Performing periodic GC collection took 0.00 seconds", False),
+        ("Sleeping 2 seconds for other ranks to complete", True),  # unless one process
     ],
 )
 def test_console_drops_what_a_gpu_run_cannot_act_on(message, shown):
@@ -159,3 +186,15 @@ def test_console_drops_what_a_gpu_run_cannot_act_on(message, shown):
 
     record = logging.LogRecord("root", logging.WARNING, __file__, 0, message, None, None)
     assert QuietConsole().filter(record) is shown
+
+
+def test_the_wait_for_other_ranks_is_dropped_in_a_run_of_one_process():
+    import logging
+
+    from titan_gdn.trainer import QuietConsole
+
+    console = QuietConsole()
+    console.single_process = True
+    message = "Sleeping 2 seconds for other ranks to complete"
+    record = logging.LogRecord("root", logging.INFO, __file__, 0, message, None, None)
+    assert console.filter(record) is False

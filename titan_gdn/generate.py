@@ -339,12 +339,28 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
 
 def render(tokenizer, prompt: str, prompt_ids: list[int], new_ids: list[int]) -> str:
     """The prompt as typed, then the continuation. The continuation is decoded together with the
-    prompt's tokens and cut after them, so a character split across the boundary decodes."""
-    whole = tokenizer.decode(prompt_ids + new_ids)
+    prompt's tokens and cut after them, so a character split across the boundary decodes. Past
+    an end-of-text token (generation that goes on after it) each new document follows a blank
+    line, as documents are separated in a text corpus; decoding alone would run them together."""
+    first, *later = _documents(new_ids, tokenizer.eos_id)
+    whole = tokenizer.decode(prompt_ids + first)
     head = tokenizer.decode(prompt_ids)
     if whole.startswith(head):
-        return prompt + whole[len(head) :]
-    return prompt + tokenizer.decode(new_ids)
+        text = prompt + whole[len(head) :]
+    else:
+        text = prompt + tokenizer.decode(first)
+    return "\n\n".join([text, *(tokenizer.decode(ids) for ids in later)])
+
+
+def _documents(ids: list[int], eos_id: int) -> list[list[int]]:
+    """`ids` split at each end-of-text token (dropped)."""
+    documents: list[list[int]] = [[]]
+    for token in ids:
+        if token == eos_id:
+            documents.append([])
+        else:
+            documents[-1].append(token)
+    return documents
 
 
 def prepare(args: argparse.Namespace):

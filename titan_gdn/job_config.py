@@ -55,9 +55,11 @@ class Compile:
 class Sample:
     prompt: str = ""
     """Text to continue with the trained model when training ends, printed with its
-    continuation (one process only); "": no sample. The same as `python -m titan_gdn.generate`
-    on the last checkpoint."""
-    max_new_tokens: int = 100
+    continuation (one process only); "": no sample. The same as `python -m titan_gdn.generate
+    --ignore-eos` on the last checkpoint."""
+    max_new_tokens: int = 64
+    """The continuation's length in tokens. It goes on across document ends (a blank line
+    between documents): a document of the training data may end a few tokens after the prompt."""
     temperature: float = 0.8
     """0: greedy (argmax); above 0: a seeded draw among the `top_k` likeliest tokens."""
     top_k: int = 50

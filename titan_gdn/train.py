@@ -18,10 +18,28 @@ def quiet_known_warnings(on_cpu: bool) -> None:
     """Python warnings every run printed with nothing for the user to do about them."""
     # torchdata's StatefulDataLoader calls the deprecated torch.set_vital itself.
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+    # torchtitan sets its training timeout on every mesh group (distributed/utils.py:
+    # set_pg_timeouts), the placeholder groups of unused dimensions too, which have torch's fake
+    # backend (distributed/parallel_dims.py: unflatten_mesh) and run no collective; torch warns
+    # for each of them.
+    warnings.filterwarnings(
+        "ignore",
+        message="Set timeout is now only supported for either nccl or gloo",
+        module="torchtitan.distributed.utils",
+    )
     if on_cpu:
         # torchtitan opens an autocast context for float32 training too; CPU autocast then
         # says it disables itself, which float32 wants anyway.
         warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
+        # DTensor keeps no RNG offsets on a CPU mesh: a random op draws each shard from the
+        # process's generator, which torchtitan seeds alike on every rank. A user cannot change
+        # that; runs that must start from equal weights in different layouts start from a seed
+        # checkpoint (docs/checkpoints.md).
+        warnings.filterwarnings(
+            "ignore",
+            message=r"DTensor (random operators|manual_seed\(\)) may not have complete support "
+            "on cpu device mesh",
+        )
 
 
 def main() -> None:

@@ -6,11 +6,11 @@ import copy
 
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
-from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.components.validate import build_validator
 from torchtitan.protocols.train_spec import TrainSpec
 
 from titan_gdn.data import build_packed_dataloader
+from titan_gdn.data.tokenizer import load_tokenizer
 from titan_gdn.loss import build_qwen3_5_loss
 from titan_gdn.metrics import build_qwen3_5_metrics_processor
 from titan_gdn.model import Qwen35Model, Qwen35StateDictAdapter, qwen3_5_args
@@ -20,14 +20,15 @@ TRAIN_SPEC_NAME = "qwen3_5"
 
 
 def build_qwen3_5_tokenizer(job_config):
-    """torchtitan's HF tokenizer, after checking the job config against the model flavor.
+    """torchtitan's HF tokenizer (the one the config check read: `load_tokenizer`), after
+    checking the job config against the model flavor.
 
     The Trainer builds the tokenizer first (train.py:121) and passes it to no model hook
     (``update_from_config`` gets only the job config, train.py:140), so the flavor, the
     sequence lengths and the tokenizer's vocabulary are checked here, before any data is read
     or weights are built.
     """
-    tokenizer = build_hf_tokenizer(job_config)
+    tokenizer = load_tokenizer(job_config.model.hf_assets_path)
     model_args = copy.deepcopy(qwen3_5_args[job_config.model.flavor])
     model_args.update_from_config(job_config, tokenizer=tokenizer)
     return tokenizer

@@ -6,10 +6,12 @@ from the trained model (`[sample]`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 import torch
@@ -29,19 +31,22 @@ MODEL_ARGS_FILE = "model_args.json"
 
 
 class QuietConsole(logging.Filter):
-    """Drops or shortens torchtitan's start-up records that tell a user nothing to act on:
-    the version line, the model arguments as 40 lines of JSON (written to
-    `job.dump_folder`/model_args.json instead), the missing safetensors index that only an HF
-    export would use, the peak FLOPS on CPU (there is none), torchtitan's failed `lspci` probe
-    (it falls back to the device name, which names the GPU) and its override of the NCCL
-    error-handling variable (container images preset it; torchtitan always sets the value its
-    flight recorder needs, and gloo does not read it). Installed on torchtitan's (root) logger by
-    titan_gdn.train; the trainer tells it what the run writes."""
+    """Drops or shortens torchtitan's records that tell a user nothing to act on: the version
+    line, the model arguments as 40 lines of JSON (written to `job.dump_folder`/model_args.json
+    instead), the missing safetensors index that only an HF export would use, the peak FLOPS on
+    CPU (there is none), torchtitan's failed `lspci` probe (it falls back to the device name,
+    which names the GPU), its override of the NCCL error-handling variable (container images
+    preset it; torchtitan always sets the value its flight recorder needs, and gloo does not
+    read it), the duration of each garbage collection it runs (tools/utils.py: milliseconds,
+    at `training.gc_freq` and around checkpoints) and, in a run of one process, its "Sleeping 2
+    seconds for other ranks" (there are none). Installed on torchtitan's (root) logger by
+    titan_gdn.train; the trainer tells it what the run is."""
 
     def __init__(self) -> None:
         super().__init__()
         self.hf_export = False
         self.model_args_path = MODEL_ARGS_FILE
+        self.single_process = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -53,6 +58,10 @@ class QuietConsole(logging.Filter):
             return False
         if message.startswith(("ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING]", "Error running lspci")):
             return False
+        if message.startswith("[GC] "):
+            return False
+        if message.startswith("Sleeping 2 seconds for other ranks"):
+            return not self.single_process
         if message.startswith("Building ") and "with {" in message:
             # torchtitan's train.py:143 joins the flavor and "with" without a space.
             head = message.split("with {", 1)[0]
@@ -97,6 +106,8 @@ class Qwen35Trainer(Trainer):
         checkpoint = job_config.checkpoint
         QUIET_CONSOLE.hf_export = checkpoint.enable and checkpoint.last_save_in_hf
         QUIET_CONSOLE.model_args_path = os.path.join(job_config.job.dump_folder, MODEL_ARGS_FILE)
+        QUIET_CONSOLE.single_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
+        _warmup_within_the_run(job_config)
         super().__init__(job_config)
         self._write_model_args(QUIET_CONSOLE.model_args_path)
         self._progress_started = False
@@ -176,9 +187,26 @@ class Qwen35Trainer(Trainer):
         self.complete_hf_export()
         self.print_sample()
 
+    def close(self) -> None:
+        super().close()
+        if sys.exc_info()[0] is None:  # torchtitan's main closes a failed run inside `except`
+            self._remove_empty_trace_folder()
+
+    def _remove_empty_trace_folder(self) -> None:
+        """torchtitan creates `job.dump_folder`/`comm.save_traces_folder` at start for the flight
+        recorder's dumps of a timed-out collective (distributed/utils.py:init_distributed); a
+        run that ends well leaves it empty. A failed run keeps it: another rank may still dump
+        there."""
+        comm = self.job_config.comm
+        if comm.trace_buf_size > 0:
+            with contextlib.suppress(OSError):  # not empty, or another rank removed it
+                os.rmdir(os.path.join(self.job_config.job.dump_folder, comm.save_traces_folder))
+
     def print_sample(self) -> None:
         """`[sample] prompt`'s continuation by the model as trained, printed to stdout (as
-        `python -m titan_gdn.generate` would print it from the last checkpoint)."""
+        `python -m titan_gdn.generate --ignore-eos` would print it from the last checkpoint):
+        `max_new_tokens` tokens, across document ends, since a document of the training data
+        may end a few tokens after the prompt."""
         if not setting(self.job_config, "sample", "prompt"):
             return
         sample = self.job_config.sample
@@ -201,6 +229,7 @@ class Qwen35Trainer(Trainer):
                 temperature=sample.temperature,
                 top_k=sample.top_k,
                 seed=sample.seed,
+                stop_at_eos=False,
             )
         finally:
             model.train(was_training)
@@ -222,6 +251,14 @@ class Qwen35Trainer(Trainer):
         folder = os.path.join(self.checkpointer.folder, f"step-{self.step}")
         if os.path.isfile(os.path.join(folder, "model.safetensors.index.json")):
             self.checkpointer.sd_adapter.save_hf_metadata(folder, checkpoint.export_dtype)
+
+
+def _warmup_within_the_run(job_config) -> None:
+    """A warm-up longer than the run, shortened to the run. torchtitan does the same to its own
+    copy (components/lr_scheduler.py:116, with a warning) but then logs the configured value
+    ("total steps 4 (warmup 5)"); shortened here, the schedule is the same and the log true."""
+    scheduler = job_config.lr_scheduler
+    scheduler.warmup_steps = min(scheduler.warmup_steps, job_config.training.steps)
 
 
 def _rank() -> int:

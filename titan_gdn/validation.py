@@ -187,9 +187,9 @@ def _model_problems(job_config, world_size: int = 1) -> list[str]:
         problems.append(str(error))
     tokenizer = None
     try:
-        from torchtitan.components.tokenizer import build_hf_tokenizer
+        from titan_gdn.data.tokenizer import load_tokenizer
 
-        tokenizer = build_hf_tokenizer(job_config)
+        tokenizer = load_tokenizer(job_config.model.hf_assets_path)
     except Exception as error:  # missing files, bad JSON, or the tokenizers library's own
         problems.append(
             f"model.hf_assets_path = {job_config.model.hf_assets_path!r} has no usable "

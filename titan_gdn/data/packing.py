@@ -90,7 +90,18 @@ class PackedDocumentDataset(IterableDataset, Stateful):
                 # finite loader, e.g. validation, replay the same rows each time it is iterated.
                 self._token_buffer, self._buffered_documents = [], []
                 return
-            logger.info(f"{self.source.description}: starting epoch {self._epoch}")
+            self._log_new_epoch()
+
+    def _log_new_epoch(self) -> None:
+        """The first time the data repeats, at info level; later epochs at debug level: a small
+        corpus would otherwise log a line for each of many epochs per step."""
+        if self._epoch == 1:
+            logger.info(
+                f"{self.source.description}: every document read, starting epoch 1 (later "
+                "epochs are logged at debug level)"
+            )
+        else:
+            logger.debug(f"{self.source.description}: starting epoch {self._epoch}")
 
     def _check_epoch_had_text(self, from_epoch_start: bool, empty: int, stride: int) -> None:
         if empty:
