@@ -59,7 +59,9 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 COLOR=()
 if [ ! -t 1 ]; then COLOR=(--metrics.disable_color_printing); fi
 
-PYTORCH_ALLOC_CONF="expandable_segments:True" \
-torchrun --nproc_per_node="${NGPU}" "${LAUNCH[@]}" \
+# exec: torchrun takes this script's process, so a signal to it (kill -9 included) reaches the
+# launcher itself; the ranks end with their launcher (titan_gdn/train.py).
+export PYTORCH_ALLOC_CONF="expandable_segments:True"
+exec torchrun --nproc_per_node="${NGPU}" "${LAUNCH[@]}" \
     --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
     -m titan_gdn.train --job.config_file "${CONFIG_FILE}" "${COLOR[@]}" "$@"

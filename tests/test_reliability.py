@@ -7,6 +7,7 @@ rank's process) or from tests/fixtures/faults.py (a NaN loss, a kill inside DCP'
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
@@ -18,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -753,6 +755,55 @@ def test_a_checkpoint_interrupted_while_written_is_never_resumed_from(uninterrup
     assert "Training starts at step 3" in resumed.output
     _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted)
     assert checkpoint_steps(folder) == ([2, 4, 6], [])  # step 4 written again, whole
+
+
+def _alive(pid: int) -> bool:
+    """`pid` exists and is not a zombie (an orphan's zombie may wait for a reaper)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_launcher_killed_with_sigkill_takes_its_ranks_with_it(tmp_path):
+    """kill -9 of run_train.sh (torchrun's agent, the ranks' parent) ends the training
+    ranks too: none goes on training, writing checkpoints or holding a device."""
+    command = ["bash", "run_train.sh", "--job.dump_folder", str(tmp_path), *SMALL]
+    command += ["--training.steps", "100000"]  # far more than this test waits for
+    environment = {**os.environ, "NGPU": "2", "CONFIG_FILE": str(DEBUG_CONFIG)}
+    launcher = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env={**environment, "LOG_RANK": "0", "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    watchdog = threading.Timer(300, os.killpg, (launcher.pid, signal.SIGKILL))
+    watchdog.start()
+    ranks = []
+    try:
+        for line in launcher.stdout:
+            if re.search(r"step:\s*2\s+loss", line):
+                break
+        ranks = [_rank_pid(launcher.pid, rank=rank) for rank in (0, 1)]
+        assert None not in ranks, ranks
+        launcher.kill()  # SIGKILL, to the launcher alone: no handler, no group
+        assert launcher.wait() == -signal.SIGKILL
+        deadline = time.monotonic() + 120
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [pid for pid in ranks if _alive(pid)], "ranks outlived their launcher"
+    finally:
+        watchdog.cancel()
+        launcher.stdout.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for pid in ranks:
+            if pid is not None and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_model_max_seq_len_raises_the_limit_the_validation_names():
