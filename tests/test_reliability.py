@@ -321,6 +321,37 @@ def test_cuda_graphs_are_refused_where_they_cannot_replay(monkeypatch):
     )
 
 
+@pytest.mark.parametrize(
+    "max_norm, effect",
+    [
+        ("0", "zeroes every gradient"),
+        ("-1", "reverses every gradient"),
+        ("nan", "makes every gradient NaN"),
+    ],
+)
+def test_a_max_norm_that_is_not_positive_is_refused(max_norm, effect):
+    """torchtitan scales the gradients by max_norm / norm: 0 would stop learning, a negative
+    norm would climb the loss. No clipping is max_norm = inf."""
+    (problem,) = _problems(_job_config("--training.max_norm", max_norm))
+    assert problem.startswith(f"training.max_norm = {float(max_norm)} {effect}"), problem
+    assert "or inf for no clipping" in problem
+
+
+def test_max_norm_inf_trains_without_clipping():
+    from torchtitan.distributed.utils import clip_grad_norm_
+
+    from titan_gdn.validation import validate_job_config
+
+    validate_job_config(_job_config("--training.max_norm", "inf"), world_size=1)
+    parameters = [torch.nn.Parameter(torch.randn(7, 3)) for _ in range(2)]
+    gradients = [1e3 * torch.randn(7, 3) for _ in parameters]
+    for parameter, gradient in zip(parameters, gradients, strict=True):
+        parameter.grad = gradient.clone()
+    norm = clip_grad_norm_(parameters, float("inf"), foreach=True)
+    torch.testing.assert_close(norm, torch.cat([g.flatten() for g in gradients]).norm())
+    assert all(torch.equal(p.grad, g) for p, g in zip(parameters, gradients, strict=True))
+
+
 def test_a_tokenizer_with_ids_beyond_the_vocab_is_refused(tmp_path):
     # A tokenizer of 2020 tokens whose EOS sits at id 3000: its size fits the model's 2048
     # rows, its ids do not.

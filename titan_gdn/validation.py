@@ -53,6 +53,7 @@ def configuration_problems(job_config, world_size: int) -> list[str]:
     return [
         *_parallelism_problems(job_config.parallelism, world_size),
         *_batch_problems(job_config, world_size),
+        *_gradient_clipping_problems(job_config.training),
         *_model_problems(job_config, world_size),
         *_data_problems(job_config),
         *_checkpoint_problems(job_config, world_size),
@@ -168,6 +169,25 @@ def _batch_problems(job_config, world_size: int) -> list[str]:
             f"use a multiple of {per_micro_batch} (or -1: one micro-batch per step)"
         )
     return problems
+
+
+def _gradient_clipping_problems(training) -> list[str]:
+    # torchtitan scales the gradients by max_norm / norm: 0 zeroes them and a negative value
+    # turns them around (gradient ascent). Other trainers read 0 as "no clipping"; torchtitan
+    # has no such value, and inf is what clips nothing.
+    max_norm = training.max_norm
+    if max_norm > 0:
+        return []
+    if max_norm == 0:
+        effect = "zeroes every gradient (no learning)"
+    elif max_norm < 0:
+        effect = "reverses every gradient (gradient ascent)"
+    else:
+        effect = "makes every gradient NaN"
+    return [
+        f"training.max_norm = {max_norm} {effect}: the gradients are scaled to at most "
+        "this norm; set a positive norm (e.g. 1.0), or inf for no clipping"
+    ]
 
 
 # Model, tokenizer, data
