@@ -9,6 +9,7 @@ same weights gives the same text; bad input fails in one line before any weight 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 
@@ -186,3 +187,18 @@ def test_bad_input_fails_before_any_weight_is_read(
     assert message in err, err
     if case == "flavor mismatch":
         assert err.strip().endswith("pass --flavor debugmodel"), err
+
+
+def test_a_damaged_checkpoint_is_refused_in_one_line(checkpoints, tmp_path, capsys):
+    from tests.test_reliability import _zero_inside
+
+    damaged = tmp_path / "step-10"
+    shutil.copytree(checkpoints[10], damaged)
+    _zero_inside(damaged / "__0_0.distcp", 4096)
+    code, out, err = _main(capsys, "--checkpoint", str(damaged), "--prompt", PROMPT)
+    assert code == 2 and not out
+    assert err.strip() == (
+        f"python -m titan_gdn.generate: error: --checkpoint {damaged} is damaged since it was "
+        "saved (__0_0.distcp holds other bytes than were saved (its checksum differs)); pass "
+        "another step folder"
+    )

@@ -773,8 +773,10 @@ def test_a_checkpoint_interrupted_while_written_is_never_resumed_from(uninterrup
     assert crashed.code != 0 and _killed_by_sigkill(crashed.output), crashed.output[-6000:]
     assert sorted(crashed.steps) == [1, 2, 3, 4]
     folder = dump / "checkpoint"
-    # Both ranks wrote their data for step 4; the metadata that completes it never came.
-    assert sorted(p.name for p in (folder / "step-4").iterdir()) == ["__0_0.distcp", "__1_0.distcp"]
+    # Both ranks wrote their data for step 4, and their checksums; the metadata that completes
+    # it never came.
+    written = sorted(p.name for p in (folder / "step-4").iterdir())
+    assert written == ["__0_0.distcp", "__1_0.distcp", "checksums.json"]
     assert checkpoint_steps(folder) == ([2], [4])
     assert CheckpointManager._find_load_step(SimpleNamespace(folder=str(folder))) == 2
 
@@ -786,6 +788,101 @@ def test_a_checkpoint_interrupted_while_written_is_never_resumed_from(uninterrup
     assert "Training starts at step 3" in resumed.output
     _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted)
     assert checkpoint_steps(folder) == ([2, 4, 6], [])  # step 4 written again, whole
+
+
+# A checkpoint damaged after its save
+
+
+def _small_checkpoint(folder: Path, writer=None) -> None:
+    """A DCP checkpoint of random tensors, saved without a process group (by `writer`)."""
+    import torch.distributed.checkpoint as dcp
+
+    from titan_gdn.checkpoint import ChecksummedWriter
+
+    state = {"weight": torch.randn(128, 128), "bias": torch.randn(128), "train_state": {"step": 1}}
+    writer = (writer or ChecksummedWriter)(str(folder))
+    dcp.save(state, storage_writer=writer, no_dist=True)
+
+
+def _zero_inside(path: Path, length: int) -> None:
+    """`length` bytes somewhere inside `path` set to zero; its size stays."""
+    data = bytearray(path.read_bytes())
+    start = random.randrange(0, len(data) - length)
+    assert any(data[start : start + length])
+    data[start : start + length] = bytes(length)
+    path.write_bytes(bytes(data))
+
+
+def test_a_checkpoint_changed_after_its_save_is_named(tmp_path):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from titan_gdn.checkpoint import checkpoint_damage
+
+    folder = tmp_path / "step-1"
+    _small_checkpoint(folder)
+    assert checkpoint_damage(folder) == []
+    data = folder / "__0_0.distcp"
+    intact = data.read_bytes()
+    _zero_inside(data, 4096)
+    assert checkpoint_damage(folder) == [
+        "__0_0.distcp holds other bytes than were saved (its checksum differs)"
+    ]
+    data.write_bytes(intact[: len(intact) // 2])
+    assert checkpoint_damage(folder) == [
+        f"__0_0.distcp is cut short ({len(intact) // 2:,} of {len(intact):,} bytes)"
+    ]
+    data.unlink()
+    assert checkpoint_damage(folder) == ["__0_0.distcp is missing"]
+    (folder / ".metadata").write_bytes(bytes(64))
+    (problem,) = checkpoint_damage(folder)
+    assert problem.startswith("its metadata cannot be read")
+    # A checkpoint saved without checksums (torchtitan's own writer): sizes are checked.
+    plain = tmp_path / "plain"
+    _small_checkpoint(plain, writer=FileSystemWriter)
+    assert checkpoint_damage(plain) == []
+    data = plain / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-1])
+    (problem,) = checkpoint_damage(plain)
+    assert problem.startswith("__0_0.distcp is cut short")
+
+
+def test_resume_passes_over_damaged_checkpoints_to_the_newest_intact_one(tmp_path):
+    from titan_gdn.checkpoint import CheckpointDamageError, checkpoint_damage, newest_intact_step
+
+    folder = tmp_path / "checkpoint"
+    for step in (2, 4, 6):
+        _small_checkpoint(folder / f"step-{step}")
+    (folder / "step-8").mkdir()  # interrupted: no .metadata
+    assert newest_intact_step(folder, checkpoint_damage) == 6
+    _zero_inside(folder / "step-6" / "__0_0.distcp", 64)
+    assert newest_intact_step(folder, checkpoint_damage) == 4
+    for step in (2, 4):
+        _zero_inside(folder / f"step-{step}" / "__0_0.distcp", 64)
+    with pytest.raises(CheckpointDamageError, match=f"every checkpoint in {folder} is damaged"):
+        newest_intact_step(folder, checkpoint_damage)
+
+
+def test_a_checkpoint_damaged_in_place_is_skipped_for_the_one_before(uninterrupted, tmp_path):
+    from titan_gdn.checkpoint import checkpoint_damage
+    from titan_gdn.validation import checkpoint_steps
+
+    dump = tmp_path / "run"
+    first = _launch(dump, *RESUMABLE, "--training.steps", "4", ngpu=2)
+    assert first.code == 0 and sorted(first.steps) == [1, 2, 3, 4], first.output[-6000:]
+    folder = dump / "checkpoint"
+    assert checkpoint_steps(folder) == ([2, 4], [])
+    _zero_inside(folder / "step-4" / "__1_0.distcp", 64 * 1024)
+
+    earlier_files = _tensorboard_files(dump)
+    resumed = _launch(dump, *RESUMABLE, ngpu=2)
+    assert resumed.code == 0, resumed.output[-6000:]
+    assert f"Ignoring checkpoint step-4 in {folder}: damaged since it was saved " in resumed.output
+    assert "__1_0.distcp holds other bytes than were saved" in resumed.output
+    assert f"Loading the checkpoint from {folder}/step-2." in resumed.output
+    assert "Training starts at step 3" in resumed.output
+    _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted)
+    assert checkpoint_steps(folder) == ([2, 4, 6], [])  # step 4 written again, whole
+    assert checkpoint_damage(folder / "step-4") == []
 
 
 def _alive(pid: int) -> bool:
