@@ -463,6 +463,65 @@ def test_resuming_with_other_data_parallel_ranks_is_refused(tmp_path):
     )
 
 
+def _saved_step(folder: Path, step: int, model_only: bool) -> Path:
+    """A DCP step folder as the trainer writes it: model keys, and (unless `model_only`) the
+    training state a resume loads."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"tok_embeddings.weight": torch.randn(8, 4), "norm.weight": torch.randn(4)}
+    if not model_only:
+        state |= {
+            "optimizer": {"state": {"norm.weight": {"step": torch.tensor(1.0)}}},
+            "lr_scheduler": {"last_epoch": step},
+            "dataloader": {"world_size": 1, "dp_rank_0": b"position"},
+            "train_state": {"step": step, "ntokens_seen": 0},
+        }
+    path = folder / f"step-{step}"
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def test_resuming_from_a_checkpoint_that_holds_only_the_model_is_refused(tmp_path):
+    """A model-only last save (the 0.8B/2B configs' last_save_model_only) or an HF export cannot
+    be resumed: torchtitan failed with a missing key or a missing .metadata."""
+    from titan_gdn.validation import validate_job_config
+
+    folder = tmp_path / "checkpoint"
+    _saved_step(folder, 3, model_only=False)
+    model_only = _saved_step(folder, 6, model_only=True)
+    job_config = _job_config(
+        "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--training.steps", "9"
+    )  # fmt: skip
+    (problem,) = _problems(job_config)
+    assert problem == (
+        f"{model_only} holds only the model (checkpoint.last_save_model_only = true), not the "
+        "optimizer, learning-rate schedule, data position and step a resume loads; to train on "
+        "from these weights, start a new run (a new job.dump_folder) with "
+        f"checkpoint.initial_load_path = '{model_only}', or resume from an earlier step with "
+        "checkpoint.load_step (complete: [3])"
+    )
+    # Not loading what it lacks is a resume torchtitan can do.
+    excluded = copy.deepcopy(job_config)
+    excluded.checkpoint.exclude_from_loading = [
+        "optimizer", "lr_scheduler", "dataloader", "train_state"
+    ]  # fmt: skip
+    validate_job_config(excluded, world_size=1)
+
+    export = folder / "step-7"
+    export.mkdir()
+    (export / "model.safetensors.index.json").write_text("{}")
+    (export / "model.safetensors").write_bytes(b"")
+    (problem,) = _problems(job_config)
+    assert problem.startswith(
+        f"{export} holds only the model (a Hugging Face export, checkpoint.last_save_in_hf = "
+        "true), not the optimizer"
+    )
+    assert (
+        f"checkpoint.initial_load_path = '{export}' and checkpoint.initial_load_in_hf = true, "
+        "or resume from an earlier step with checkpoint.load_step (complete: [3, 6])"
+    ) in problem
+
+
 def test_bad_settings_stop_the_trainer_before_anything_is_built(tmp_path):
     run = _launch(
         tmp_path,

@@ -388,13 +388,66 @@ def _initial_load_problems(job_config, incomplete: list[int]) -> list[str]:
 
 
 def _resume_problems(job_config, world_size: int, complete: list[int]) -> list[str]:
-    """The data loader's position is saved per data-parallel rank and cannot be resharded
-    (torchtitan asserts it once the model is built); compare the rank counts now."""
+    """What torchtitan would trip over once the model is built when it resumes from the step
+    it picks: a checkpoint without the training state, a data position split over other
+    ranks."""
     checkpoint = job_config.checkpoint
     step = complete[-1] if checkpoint.load_step == -1 else checkpoint.load_step
-    if step == 0 or "dataloader" in checkpoint.exclude_from_loading:
-        return []  # a model-only (seed) checkpoint, or the data position is not restored
+    if step == 0 or checkpoint.create_seed_checkpoint:
+        return []  # a seed checkpoint is loaded as model only; a seed run loads nothing
     folder = checkpoint_folder(job_config) / f"step-{step}"
+    model_only = _model_only_problem(checkpoint, folder, [s for s in complete if s < step])
+    if model_only:
+        return [model_only]
+    return _data_parallel_rank_problems(job_config, world_size, folder)
+
+
+# What a resume loads beside the model (torchtitan's CheckpointManager._states_to_load).
+_TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+def _model_only_problem(checkpoint, folder: Path, earlier: list[int]) -> str | None:
+    """A resume from a checkpoint that holds only the model (`last_save_model_only`, or an HF
+    export) fails in torchtitan with a missing key or a missing .metadata."""
+    wanted = [name for name in _TRAINING_STATE if name not in checkpoint.exclude_from_loading]
+    if (folder / ".metadata").is_file():
+        saved = _saved_states(folder)
+        if not wanted or saved is None or saved & set(_TRAINING_STATE):
+            return None  # unreadable metadata is for the resume's verification to report
+        kind, in_hf = "checkpoint.last_save_model_only = true", ""
+    else:
+        kind = "a Hugging Face export, checkpoint.last_save_in_hf = true"
+        in_hf = " and checkpoint.initial_load_in_hf = true"
+    other_step = (
+        f", or resume from an earlier step with checkpoint.load_step (complete: {earlier})"
+        if earlier
+        else ""
+    )
+    return (
+        f"{folder} holds only the model ({kind}), not the optimizer, learning-rate schedule, "
+        f"data position and step a resume loads; to train on from these weights, start a new "
+        f"run (a new job.dump_folder) with checkpoint.initial_load_path = '{folder}'{in_hf}"
+        f"{other_step}"
+    )
+
+
+def _saved_states(folder: Path) -> set[str] | None:
+    """The top-level names in a DCP checkpoint (model keys and training states), or None when
+    its metadata cannot be read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    except Exception:  # unpickling errors of every kind
+        return None
+    return {key.split(".", 1)[0] for key in keys}
+
+
+def _data_parallel_rank_problems(job_config, world_size: int, folder: Path) -> list[str]:
+    """The data loader's position is saved per data-parallel rank and cannot be resharded
+    (torchtitan asserts it once the model is built); compare the rank counts now."""
+    if "dataloader" in job_config.checkpoint.exclude_from_loading:
+        return []  # the data position is not restored
     saved = _saved_data_parallel_ranks(folder)
     parallelism = job_config.parallelism
     ranks = parallelism.data_parallel_replicate_degree * _shard_degree(parallelism, world_size)
@@ -410,6 +463,7 @@ def _resume_problems(job_config, world_size: int, complete: list[int]) -> list[s
 
 def _saved_data_parallel_ranks(folder: Path) -> int | None:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     state = {"dataloader": {"world_size": -1}}
     try:
@@ -417,7 +471,7 @@ def _saved_data_parallel_ranks(folder: Path) -> int | None:
             # Read before the process group exists, on purpose: each rank reads one entry.
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    except Exception:  # no data loader state in it (model-only): nothing to compare
+    except (Exception, CheckpointException):  # DCP's own is a BaseException
         return None
     return state["dataloader"]["world_size"]
 
