@@ -59,6 +59,11 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 COLOR=()
 if [ ! -t 1 ]; then COLOR=(--metrics.disable_color_printing); fi
 
+# The whole config checked once, before torchrun starts any rank: a mistake is named in a few
+# lines (titan_gdn/validation.py), not inside each rank's traceback and torchrun's report.
+python -m titan_gdn.validation --world-size $((NGPU * NNODES)) \
+    --job.config_file "${CONFIG_FILE}" "$@"
+
 # exec: torchrun takes this script's process, so a signal to it (kill -9 included) reaches the
 # launcher itself; the ranks end with their launcher (titan_gdn/train.py).
 export PYTORCH_ALLOC_CONF="expandable_segments:True"

@@ -18,6 +18,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -543,6 +544,34 @@ def test_bad_settings_stop_the_trainer_before_anything_is_built(tmp_path):
     # Raised before torchtitan's init: no process group, tokenizer, loader or model.
     for later in ("Building", "Training starts", "Packed training data"):
         assert later not in run.output, run.output[-6000:]
+
+
+def test_a_config_error_on_two_ranks_is_shown_once_without_tracebacks(tmp_path):
+    """With LOG_RANK=0 the console shows rank 0 only, and rank 1 could fail first: the check
+    runs once before torchrun starts the ranks."""
+    run = _launch(
+        tmp_path,
+        "--parallelism.context_parallel_degree", "2",
+        "--training.seq_len", "255",
+        ngpu=2,
+    )  # fmt: skip
+    assert run.code == 1, run.output[-6000:]
+    assert run.output.splitlines() == [
+        "1 problem(s) in the job config; nothing was built or trained:",
+        "  - training.seq_len = 255 is not divisible by parallelism.context_parallel_degree = 2;"
+        " use a multiple of 2",
+    ], run.output[-6000:]
+
+
+def test_a_config_error_in_a_rank_is_its_message_without_a_traceback(tmp_path):
+    """Launched without run_train.sh (python or torchrun), the trainer's own check reports."""
+    command = [sys.executable, "-m", "titan_gdn.train", "--job.config_file", str(DEBUG_CONFIG)]
+    command += ["--job.dump_folder", str(tmp_path), "--training.seq_len", "0"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 1, result.stderr[-6000:]
+    assert "training.seq_len = 0 must be at least 1" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr[-6000:]
 
 
 # Bad data

@@ -59,13 +59,17 @@ def main() -> None:
     from torchtitan.train import main as torchtitan_main
 
     from titan_gdn.trainer import QUIET_CONSOLE, Qwen35Trainer
+    from titan_gdn.validation import ConfigError
 
     # On torchtitan's (root) logger itself: its init_logger replaces handlers, not filters.
     logger.addFilter(QUIET_CONSOLE)
 
     # torchtitan's own main: init_logger, ConfigManager().parse_args(), Trainer, train,
     # close, destroy_process_group.
-    torchtitan_main(Qwen35Trainer)
+    try:
+        torchtitan_main(Qwen35Trainer)
+    except ConfigError as error:  # its message is the report; a traceback adds nothing
+        raise SystemExit(str(error)) from None
 
 
 if __name__ == "__main__":

@@ -7,13 +7,17 @@ they protect (`job_config_problems` in model/args.py, `layout_problems` in cp_la
 `expert_parallel_problems`, `unsupported_parallelism_problems`, `build_document_source`) and
 adds the ones torchtitan would only hit later: after the model is built (parallel degrees,
 checkpoint paths) or at the very last step (an HF export without `last_save_model_only`).
+`python -m titan_gdn.validation` (`main`) runs the same checks before a launcher starts the
+ranks.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -501,3 +505,39 @@ def _fault_policy_problems(job_config) -> list[str]:
             "first NaN/inf loss)"
         ]
     return []
+
+
+# Before the launcher
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m titan_gdn.validation --world-size N --job.config_file X [overrides]``: the
+    trainer's checks, in one process, before a launcher starts N ranks (run_train.sh runs it
+    before torchrun). Every problem is printed, one per line, without a traceback, and the exit
+    status is 1; nothing is printed when there is none. In the ranks the same problems would
+    arrive inside tracebacks and torchrun's failure report, from whichever rank failed first:
+    one whose output the console may not show."""
+    parser = argparse.ArgumentParser(prog="python -m titan_gdn.validation", allow_abbrev=False)
+    parser.add_argument("--world-size", type=int, required=True, help="NGPU x NNODES")
+    options, trainer_args = parser.parse_known_args(argv)
+    from titan_gdn.config_check import check_config_file
+    from titan_gdn.cpu import use_cpu_if_no_accelerator
+
+    use_cpu_if_no_accelerator()  # as the trainer does, before torchtitan reads the device
+    check_config_file(trainer_args)
+    from torchtitan.config import ConfigManager
+
+    from titan_gdn.train_spec import TRAIN_SPEC_NAME
+
+    job_config = ConfigManager().parse_args(trainer_args)
+    if job_config.model.name != TRAIN_SPEC_NAME:
+        return 0  # another model's trainer checks its own config
+    problems = configuration_problems(job_config, options.world_size)
+    if problems:
+        print(ConfigError(problems), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
