@@ -523,6 +523,42 @@ def test_resuming_from_a_checkpoint_that_holds_only_the_model_is_refused(tmp_pat
     ) in problem
 
 
+def test_a_run_whose_checkpoint_is_at_or_past_training_steps_is_named_finished(tmp_path):
+    from titan_gdn.validation import validate_job_config
+
+    step = random.randint(2, 50)
+    folder = _saved_step(tmp_path / "checkpoint", step, model_only=False)
+    for steps in (step, step - 1):
+        job_config = _job_config(
+            "--job.dump_folder", str(tmp_path), "--training.steps", str(steps)
+        )  # fmt: skip
+        assert _problems(job_config) == [
+            f"{folder} is step {step}, at or past training.steps = {steps}: the run in "
+            f"job.dump_folder = '{tmp_path}' is finished and would train nothing; raise "
+            f"training.steps above {step} to train on, or set a new job.dump_folder for a new run"
+        ]
+    validate_job_config(_job_config("--job.dump_folder", str(tmp_path)), world_size=1)
+
+
+def test_rerunning_a_finished_run_says_what_to_change(tmp_path):
+    """The same command again trains nothing: it says so instead of "Training completed".
+    With more steps, a last checkpoint of only the model is named, not a KeyError."""
+    model_only = ("--checkpoint.enable", "--checkpoint.last_save_model_only")
+    first = _launch(tmp_path, "--training.steps", "3", *model_only)
+    assert first.code == 0 and sorted(first.steps) == [1, 2, 3], first.output[-6000:]
+    folder = tmp_path / "checkpoint" / "step-3"
+    again = _launch(tmp_path, "--training.steps", "3", *model_only)
+    assert again.code == 1 and not again.steps, again.output[-6000:]
+    assert f"{folder} is step 3, at or past training.steps = 3" in again.output
+    assert "Training completed" not in again.output
+    longer = _launch(tmp_path, "--training.steps", "5", *model_only)
+    assert longer.code == 1 and not longer.steps, longer.output[-6000:]
+    assert f"{folder} holds only the model (checkpoint.last_save_model_only = true)" in (
+        longer.output
+    )
+    assert "Traceback" not in again.output + longer.output
+
+
 def test_bad_settings_stop_the_trainer_before_anything_is_built(tmp_path):
     run = _launch(
         tmp_path,

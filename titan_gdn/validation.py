@@ -392,18 +392,29 @@ def _initial_load_problems(job_config, incomplete: list[int]) -> list[str]:
 
 
 def _resume_problems(job_config, world_size: int, complete: list[int]) -> list[str]:
-    """What torchtitan would trip over once the model is built when it resumes from the step
-    it picks: a checkpoint without the training state, a data position split over other
-    ranks."""
+    """What torchtitan would trip over once the model is built, or silently not do, when it
+    resumes from the step it picks: a finished run, a checkpoint without the training state,
+    a data position split over other ranks."""
     checkpoint = job_config.checkpoint
     step = complete[-1] if checkpoint.load_step == -1 else checkpoint.load_step
     if step == 0 or checkpoint.create_seed_checkpoint:
         return []  # a seed checkpoint is loaded as model only; a seed run loads nothing
     folder = checkpoint_folder(job_config) / f"step-{step}"
+    if step >= job_config.training.steps:
+        return [_finished_run_problem(job_config, folder, step)]
     model_only = _model_only_problem(checkpoint, folder, [s for s in complete if s < step])
     if model_only:
         return [model_only]
     return _data_parallel_rank_problems(job_config, world_size, folder)
+
+
+def _finished_run_problem(job_config, folder: Path, step: int) -> str:
+    steps = job_config.training.steps
+    return (
+        f"{folder} is step {step}, at or past training.steps = {steps}: the run in "
+        f"job.dump_folder = {job_config.job.dump_folder!r} is finished and would train nothing; "
+        f"raise training.steps above {step} to train on, or set a new job.dump_folder for a new run"
+    )
 
 
 # What a resume loads beside the model (torchtitan's CheckpointManager._states_to_load).
