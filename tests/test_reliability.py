@@ -330,20 +330,39 @@ def test_cuda_graphs_are_refused_where_they_cannot_replay(monkeypatch):
         ("nan", "makes every gradient NaN"),
     ],
 )
-def test_a_max_norm_that_is_not_positive_is_refused(max_norm, effect):
+def test_a_max_norm_that_is_not_positive_is_refused(max_norm, effect, tmp_path):
     """torchtitan scales the gradients by max_norm / norm: 0 would stop learning, a negative
     norm would climb the loss. No clipping is max_norm = inf."""
-    (problem,) = _problems(_job_config("--training.max_norm", max_norm))
+    job_config = _job_config("--job.dump_folder", str(tmp_path), "--training.max_norm", max_norm)
+    (problem,) = _problems(job_config)
     assert problem.startswith(f"training.max_norm = {float(max_norm)} {effect}"), problem
     assert "or inf for no clipping" in problem
 
 
-def test_max_norm_inf_trains_without_clipping():
+def test_lengths_torchtitan_takes_as_given_are_checked(tmp_path):
+    job_config = _job_config(
+        "--job.dump_folder", str(tmp_path),
+        "--training.steps", "-1",
+        "--lr_scheduler.warmup_steps", "-5",
+        "--lr_scheduler.total_steps", "0",
+        "--metrics.log_freq", "0",
+    )  # fmt: skip
+    assert _problems(job_config) == [
+        "training.steps = -1 must be at least 1",
+        "lr_scheduler.warmup_steps = -5 must be at least 0 (0: no warm-up)",
+        "lr_scheduler.total_steps = 0 must be at least 1, or unset (the schedule then spans "
+        "training.steps)",
+        "metrics.log_freq = 0 must be at least 1 (a line every N steps)",
+    ]
+
+
+def test_max_norm_inf_trains_without_clipping(tmp_path):
     from torchtitan.distributed.utils import clip_grad_norm_
 
     from titan_gdn.validation import validate_job_config
 
-    validate_job_config(_job_config("--training.max_norm", "inf"), world_size=1)
+    job_config = _job_config("--job.dump_folder", str(tmp_path), "--training.max_norm", "inf")
+    validate_job_config(job_config, world_size=1)
     parameters = [torch.nn.Parameter(torch.randn(7, 3)) for _ in range(2)]
     gradients = [1e3 * torch.randn(7, 3) for _ in parameters]
     for parameter, gradient in zip(parameters, gradients, strict=True):

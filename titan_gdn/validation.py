@@ -58,6 +58,7 @@ def configuration_problems(job_config, world_size: int) -> list[str]:
         *_parallelism_problems(job_config.parallelism, world_size),
         *_batch_problems(job_config, world_size),
         *_gradient_clipping_problems(job_config.training),
+        *_schedule_problems(job_config),
         *_model_problems(job_config, world_size),
         *_data_problems(job_config),
         *_checkpoint_problems(job_config, world_size),
@@ -192,6 +193,31 @@ def _gradient_clipping_problems(training) -> list[str]:
         f"training.max_norm = {max_norm} {effect}: the gradients are scaled to at most "
         "this norm; set a positive norm (e.g. 1.0), or inf for no clipping"
     ]
+
+
+def _schedule_problems(job_config) -> list[str]:
+    """Lengths torchtitan takes as given: a negative step count ends in an assertion about
+    decay steps, log_freq 0 in a division by zero, a negative warm-up in a negative lr."""
+    training, scheduler = job_config.training, job_config.lr_scheduler
+    problems = []
+    if training.steps < 1:
+        problems.append(f"training.steps = {training.steps} must be at least 1")
+    if scheduler.warmup_steps < 0:
+        problems.append(
+            f"lr_scheduler.warmup_steps = {scheduler.warmup_steps} must be at least 0 "
+            "(0: no warm-up)"
+        )
+    if scheduler.total_steps is not None and scheduler.total_steps < 1:
+        problems.append(
+            f"lr_scheduler.total_steps = {scheduler.total_steps} must be at least 1, or unset "
+            "(the schedule then spans training.steps)"
+        )
+    if job_config.metrics.log_freq < 1:
+        problems.append(
+            f"metrics.log_freq = {job_config.metrics.log_freq} must be at least 1 (a line "
+            "every N steps)"
+        )
+    return problems
 
 
 # Model, tokenizer, data
@@ -400,7 +426,7 @@ def _resume_problems(job_config, world_size: int, complete: list[int]) -> list[s
     if step == 0 or checkpoint.create_seed_checkpoint:
         return []  # a seed checkpoint is loaded as model only; a seed run loads nothing
     folder = checkpoint_folder(job_config) / f"step-{step}"
-    if step >= job_config.training.steps:
+    if 1 <= job_config.training.steps <= step:
         return [_finished_run_problem(job_config, folder, step)]
     model_only = _model_only_problem(checkpoint, folder, [s for s in complete if s < step])
     if model_only:
