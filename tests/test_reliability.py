@@ -578,6 +578,49 @@ def test_rerunning_a_finished_run_says_what_to_change(tmp_path):
     assert "Traceback" not in again.output + longer.output
 
 
+def test_an_hf_import_that_would_leave_tensors_out_is_refused(hf_qwen3_5, tmp_path):
+    """config.json asking for 2 of the checkpoint's 4 layers loaded a cut-down model: the import
+    reads the tensors the model asks for and never looks at the others."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.hf_reference import random_hf_model, tiny_hf_config
+    from titan_gdn.validation import validate_job_config
+
+    source = tmp_path / "hf"
+    config = tiny_hf_config(tied=True, vocab_size=2048)
+    random_hf_model(hf_qwen3_5, config, seed=3).save_pretrained(source, safe_serialization=True)
+    shutil.copytree(TOKENIZER, source, dirs_exist_ok=True)
+    job_config = _job_config(
+        "--job.dump_folder", str(tmp_path / "run"),
+        "--model.flavor", "from_hf_config",
+        "--model.hf_assets_path", str(source),
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path", str(source),
+    )  # fmt: skip
+    validate_job_config(job_config, world_size=1)  # the checkpoint's own config.json
+
+    (source / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    (problem,) = _problems(job_config)
+    weights = load_file(source / "model.safetensors")
+    unused = sorted(name for name in weights if re.match(r"model\.layers\.[23]\.", name))
+    assert problem == (
+        f"checkpoint.initial_load_path = '{source}' holds {len(unused)} tensor(s) that "
+        "model.flavor = 'from_hf_config' does not use, which an HF import leaves out without a "
+        f"word: {', '.join(unused[:3])}, ... ({len(unused) - 3} more); it has layers up to 3 "
+        "and the model 2 (n_layers, num_hidden_layers in config.json); use the checkpoint's "
+        'own config.json (model.flavor = "from_hf_config" with model.hf_assets_path at its '
+        "folder)"
+    )
+
+    # A tensor of a name the model does not have, in a checkpoint of the right depth.
+    (source / "config.json").write_text(json.dumps(config))
+    save_file({"model.layers.0.mlp.extra.weight": torch.zeros(2)}, source / "extra.safetensors")
+    (problem,) = _problems(job_config)
+    assert "holds 1 tensor(s) that model.flavor = 'from_hf_config' does not use" in problem
+    assert "word: model.layers.0.mlp.extra.weight; use the checkpoint's own" in problem
+
+
 def test_bad_settings_stop_the_trainer_before_anything_is_built(tmp_path):
     run = _launch(
         tmp_path,

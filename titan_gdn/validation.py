@@ -414,7 +414,70 @@ def _initial_load_problems(job_config, incomplete: list[int]) -> list[str]:
             f"checkpoint.initial_load_in_hf = true but {setting_name} = {source!r} has no "
             "*.safetensors weights; point it at the HF model folder"
         ]
+    if checkpoint.initial_load_in_hf:
+        return _unused_hf_weight_problems(job_config, source, setting_name)
     return []
+
+
+_LAYER_INDEX = re.compile(r"\blayers\.(\d+)\.")
+
+
+def _unused_hf_weight_problems(job_config, source: str, setting_name: str) -> list[str]:
+    """An HF import loads the tensors the model asks for and never looks at the others: a
+    config.json with fewer layers (or a smaller model) than the weights would train a cut-down
+    model without a word. Names from the safetensors headers; no weight is read."""
+    try:
+        args = _model_args(job_config)
+    except (KeyError, ValueError, FileNotFoundError):
+        return []  # reported by the model checks
+    stored, requested = _stored_hf_names(Path(source)), _requested_hf_names(args, job_config)
+    if requested - stored:
+        return []  # the import stops naming the missing tensor: another layout, not a subset
+    if args.enable_weight_tying:
+        stored.discard("lm_head.weight")  # tied: the embedding is the output projection
+    unused = sorted(stored - requested)
+    if not unused:
+        return []
+    layers = {int(match.group(1)) for name in unused if (match := _LAYER_INDEX.search(name))}
+    beyond = [layer for layer in layers if layer >= args.n_layers]
+    depth = (
+        f"; it has layers up to {max(beyond)} and the model {args.n_layers} (n_layers, "
+        "num_hidden_layers in config.json)"
+        if beyond
+        else ""
+    )
+    more = f", ... ({len(unused) - 3} more)" if len(unused) > 3 else ""
+    return [
+        f"{setting_name} = {source!r} holds {len(unused)} tensor(s) that model.flavor = "
+        f"{job_config.model.flavor!r} does not use, which an HF import leaves out without a "
+        f"word: {', '.join(unused[:3])}{more}{depth}; use the checkpoint's own config.json "
+        '(model.flavor = "from_hf_config" with model.hf_assets_path at its folder)'
+    ]
+
+
+def _stored_hf_names(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    from titan_gdn.model.state_dict_adapter import NOT_TEXT
+
+    names = set()
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as weights:
+            names.update(weights.keys())
+    return {name for name in names if not NOT_TEXT.match(name)}  # vision, MTP: not loaded
+
+
+def _requested_hf_names(args, job_config) -> set[str]:
+    """The HF names the import asks for: the model's state dict (built on the meta device)
+    through the state-dict adapter, as torchtitan's HF load maps it."""
+    import torch
+
+    from titan_gdn.model import Qwen35Model, Qwen35StateDictAdapter
+
+    with torch.device("meta"):
+        state_dict = Qwen35Model(args).state_dict()
+    adapter = Qwen35StateDictAdapter(args, job_config.model.hf_assets_path)
+    return set(adapter.to_hf(state_dict))
 
 
 def _resume_problems(job_config, world_size: int, complete: list[int]) -> list[str]:
