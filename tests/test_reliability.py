@@ -905,6 +905,7 @@ def _assert_resumed_like_uninterrupted(dump: Path, resumed: Run, earlier_files, 
     first = min(resumed.steps)
     assert sorted(resumed.steps) == list(range(first, STEPS + 1))
     assert resumed.steps == {step: run.steps[step] for step in resumed.steps}
+    assert "learning-rate schedule is not the one" not in resumed.output  # total_steps kept
     resumed_tb = _tensorboard(_tensorboard_files(dump) - earlier_files)
     for tag in ("loss_metrics/global_avg_loss", "grad_norm", "documents_per_step", "lr"):
         expected = {step: reference_tb[tag][step] for step in range(first, STEPS + 1)}
@@ -1069,6 +1070,22 @@ def test_a_checkpoint_damaged_in_place_is_skipped_for_the_one_before(uninterrupt
     _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted)
     assert checkpoint_steps(folder) == ([2, 4, 6], [])  # step 4 written again, whole
     assert checkpoint_damage(folder / "step-4") == []
+
+
+def test_a_resume_onto_a_longer_schedule_says_so(tmp_path):
+    """training.steps sets the schedule's length: 4 steps continued to 6 train steps 5-6 on
+    another curve than an uninterrupted 6-step run, and the log says so."""
+    full = ("--checkpoint.enable", "--checkpoint.no-last-save-model-only")
+    warmup = ("--lr_scheduler.warmup_steps", "2")
+    first = _launch(tmp_path, "--training.steps", "4", *full, *warmup)
+    assert first.code == 0, first.output[-6000:]
+    longer = _launch(tmp_path, "--training.steps", "6", *full, *warmup)
+    assert longer.code == 0 and sorted(longer.steps) == [5, 6], longer.output[-6000:]
+    assert (
+        "The learning-rate schedule is not the one the checkpoint of step 4 was trained with "
+        "(training.steps or [lr_scheduler] changed): step 5 trains at lr "
+    ) in longer.output
+    assert "set lr_scheduler.total_steps to its final length" in longer.output
 
 
 def _alive(pid: int) -> bool:

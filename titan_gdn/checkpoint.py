@@ -7,13 +7,15 @@ and trains on other weights. So every save records a CRC-32 of each of its data 
 `checksums.json`, written just before `.metadata` (`ChecksummedWriter`), and a resume checks the
 folder against it first (`checkpoint_damage`); a damaged checkpoint is skipped for the newest one
 before it that is intact, with a line saying so (`VerifiedCheckpointManager`, torchtitan's
-CheckpointManager with both). A folder without `checksums.json` (written by torchtitan itself)
+CheckpointManager with both; it also says when a resume continues on another learning-rate
+schedule, `schedule_change`). A folder without `checksums.json` (written by torchtitan itself)
 still has its files checked against the sizes its `.metadata` records.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import zlib
 from collections.abc import Callable
@@ -27,7 +29,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
-from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
+from torchtitan.components.checkpoint import LR_SCHEDULER, AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
@@ -160,9 +162,34 @@ def newest_intact_step(folder: Path, damage: Callable[[Path], list[str]]) -> int
     return -1
 
 
+def schedule_change(schedulers) -> str | None:
+    """What changed when a resumed learning-rate schedule (torchtitan's LRSchedulersContainer,
+    its state just loaded) is not the one the checkpoint was trained with, else None.
+
+    The checkpoint keeps the schedule's position and its last learning rate, not its shape:
+    training.steps sets the length (unless lr_scheduler.total_steps does), so a rerun with more
+    steps continues on another curve. The saved rate for the next step against the one this
+    run's schedule gives there tells them apart."""
+    scheduler = schedulers.schedulers[0]
+    step = scheduler.last_epoch
+    if step == 0:
+        return None  # nothing restored: a fresh or a model-only start
+    saved = scheduler.get_last_lr()[0]
+    now = scheduler.base_lrs[0] * scheduler.lr_lambdas[0](step)
+    if math.isclose(saved, now, rel_tol=1e-6):
+        return None
+    return (
+        f"The learning-rate schedule is not the one the checkpoint of step {step} was trained "
+        f"with (training.steps or [lr_scheduler] changed): step {step + 1} trains at lr "
+        f"{now:.4g} where it had {saved:.4g}, and the run follows this run's schedule from "
+        "here, so it is not what an uninterrupted run of this length would be. To lengthen a "
+        "run exactly, set lr_scheduler.total_steps to its final length from its first start"
+    )
+
+
 class VerifiedCheckpointManager(CheckpointManager):
     """torchtitan's CheckpointManager that saves with checksums and resumes from the newest
-    intact checkpoint."""
+    intact checkpoint, saying so when the learning-rate schedule changed."""
 
     def dcp_save(
         self,
@@ -202,7 +229,11 @@ class VerifiedCheckpointManager(CheckpointManager):
     def load(self, step: int = -1) -> bool:
         if self.enable:
             self._refuse_damaged(step)
-        return super().load(step)
+        loaded = super().load(step)
+        change = loaded and schedule_change(self.states[LR_SCHEDULER])
+        if change:
+            logger.warning(change)
+        return loaded
 
     def _refuse_damaged(self, step: int) -> None:
         """The checkpoint torchtitan is asked for by name, checked before it is read."""
