@@ -59,7 +59,14 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 COLOR=()
 if [ ! -t 1 ]; then COLOR=(--metrics.disable_color_printing); fi
 
-PYTORCH_ALLOC_CONF="expandable_segments:True" \
-torchrun --nproc_per_node="${NGPU}" "${LAUNCH[@]}" \
+# The whole config checked once, before torchrun starts any rank: a mistake is named in a few
+# lines (titan_gdn/validation.py), not inside each rank's traceback and torchrun's report.
+python -m titan_gdn.validation --world-size $((NGPU * NNODES)) \
+    --job.config_file "${CONFIG_FILE}" "$@"
+
+# exec: torchrun takes this script's process, so a signal to it (kill -9 included) reaches the
+# launcher itself; the ranks end with their launcher (titan_gdn/train.py).
+export PYTORCH_ALLOC_CONF="expandable_segments:True"
+exec torchrun --nproc_per_node="${NGPU}" "${LAUNCH[@]}" \
     --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
     -m titan_gdn.train --job.config_file "${CONFIG_FILE}" "${COLOR[@]}" "$@"

@@ -302,6 +302,27 @@ def test_malformed_jsonl_is_rejected_before_training(tokenizer, tmp_path, line, 
         build_packed_dataloader(1, 0, tokenizer, make_job_config("jsonl", path))
 
 
+@pytest.mark.parametrize("dataset", ["text", "jsonl"])
+def test_a_byte_that_is_not_utf8_is_named_by_file_and_line(tmp_path, dataset):
+    """Far past the first read buffer, where Python's own error gives a position inside it."""
+    lines = [json.dumps({"text": f"document {i}"}) for i in range(2000)]
+    bad_line = 1500
+    column = lines[bad_line - 1].index("document") + 1
+    path = tmp_path / f"docs.{dataset}"
+    encoded = [line.encode() for line in lines]
+    encoded[bad_line - 1] = encoded[bad_line - 1].replace(b"document", b"\xffocument")
+    path.write_bytes(b"\n\n".join(encoded) if dataset == "text" else b"\n".join(encoded))
+    source = build_document_source(dataset, str(path))
+    line_number = 2 * bad_line - 1 if dataset == "text" else bad_line
+    message = (
+        f"{path}:{line_number} is not UTF-8 text (byte 0xff at column {column}); save the file "
+        "as UTF-8 or remove that byte"
+    )
+    with pytest.raises(ValueError) as error:
+        list(source.iter_documents(0, 1))
+    assert str(error.value) == message
+
+
 def test_a_tokenizer_without_eos_is_rejected(tokenizer, text_file, monkeypatch):
     monkeypatch.setattr(tokenizer, "eos_id", None)
     with pytest.raises(ValueError, match="no EOS token"):

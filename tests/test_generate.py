@@ -9,6 +9,7 @@ same weights gives the same text; bad input fails in one line before any weight 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 
@@ -200,3 +201,18 @@ def test_documents_after_an_end_of_text_follow_a_blank_line():
     text = render(tokenizer, PROMPT, prompt_ids, first + second)
     assert text == "ROMEO:\nGood night.\n\nJULIET:\nAy."
     assert render(tokenizer, PROMPT, prompt_ids, first[:-1]) == "ROMEO:\nGood night."
+
+
+def test_a_damaged_checkpoint_is_refused_in_one_line(checkpoints, tmp_path, capsys):
+    from tests.test_reliability import _zero_inside
+
+    damaged = tmp_path / "step-10"
+    shutil.copytree(checkpoints[10], damaged)
+    _zero_inside(damaged / "__0_0.distcp", 4096)
+    code, out, err = _main(capsys, "--checkpoint", str(damaged), "--prompt", PROMPT)
+    assert code == 2 and not out
+    assert err.strip() == (
+        f"python -m titan_gdn.generate: error: --checkpoint {damaged} is damaged since it was "
+        "saved (__0_0.distcp holds other bytes than were saved (its checksum differs)); pass "
+        "another step folder"
+    )

@@ -7,6 +7,7 @@ rank's process) or from tests/fixtures/faults.py (a NaN loss, a kill inside DCP'
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
@@ -17,7 +18,9 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -320,6 +323,56 @@ def test_cuda_graphs_are_refused_where_they_cannot_replay(monkeypatch):
     )
 
 
+@pytest.mark.parametrize(
+    "max_norm, effect",
+    [
+        ("0", "zeroes every gradient"),
+        ("-1", "reverses every gradient"),
+        ("nan", "makes every gradient NaN"),
+    ],
+)
+def test_a_max_norm_that_is_not_positive_is_refused(max_norm, effect, tmp_path):
+    """torchtitan scales the gradients by max_norm / norm: 0 would stop learning, a negative
+    norm would climb the loss. No clipping is max_norm = inf."""
+    job_config = _job_config("--job.dump_folder", str(tmp_path), "--training.max_norm", max_norm)
+    (problem,) = _problems(job_config)
+    assert problem.startswith(f"training.max_norm = {float(max_norm)} {effect}"), problem
+    assert "or inf for no clipping" in problem
+
+
+def test_lengths_torchtitan_takes_as_given_are_checked(tmp_path):
+    job_config = _job_config(
+        "--job.dump_folder", str(tmp_path),
+        "--training.steps", "-1",
+        "--lr_scheduler.warmup_steps", "-5",
+        "--lr_scheduler.total_steps", "0",
+        "--metrics.log_freq", "0",
+    )  # fmt: skip
+    assert _problems(job_config) == [
+        "training.steps = -1 must be at least 1",
+        "lr_scheduler.warmup_steps = -5 must be at least 0 (0: no warm-up)",
+        "lr_scheduler.total_steps = 0 must be at least 1, or unset (the schedule then spans "
+        "training.steps)",
+        "metrics.log_freq = 0 must be at least 1 (a line every N steps)",
+    ]
+
+
+def test_max_norm_inf_trains_without_clipping(tmp_path):
+    from torchtitan.distributed.utils import clip_grad_norm_
+
+    from titan_gdn.validation import validate_job_config
+
+    job_config = _job_config("--job.dump_folder", str(tmp_path), "--training.max_norm", "inf")
+    validate_job_config(job_config, world_size=1)
+    parameters = [torch.nn.Parameter(torch.randn(7, 3)) for _ in range(2)]
+    gradients = [1e3 * torch.randn(7, 3) for _ in parameters]
+    for parameter, gradient in zip(parameters, gradients, strict=True):
+        parameter.grad = gradient.clone()
+    norm = clip_grad_norm_(parameters, float("inf"), foreach=True)
+    torch.testing.assert_close(norm, torch.cat([g.flatten() for g in gradients]).norm())
+    assert all(torch.equal(p.grad, g) for p, g in zip(parameters, gradients, strict=True))
+
+
 def test_a_tokenizer_with_ids_beyond_the_vocab_is_refused(tmp_path):
     # A tokenizer of 2020 tokens whose EOS sits at id 3000: its size fits the model's 2048
     # rows, its ids do not.
@@ -431,6 +484,144 @@ def test_resuming_with_other_data_parallel_ranks_is_refused(tmp_path):
     )
 
 
+def _saved_step(folder: Path, step: int, model_only: bool) -> Path:
+    """A DCP step folder as the trainer writes it: model keys, and (unless `model_only`) the
+    training state a resume loads."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"tok_embeddings.weight": torch.randn(8, 4), "norm.weight": torch.randn(4)}
+    if not model_only:
+        state |= {
+            "optimizer": {"state": {"norm.weight": {"step": torch.tensor(1.0)}}},
+            "lr_scheduler": {"last_epoch": step},
+            "dataloader": {"world_size": 1, "dp_rank_0": b"position"},
+            "train_state": {"step": step, "ntokens_seen": 0},
+        }
+    path = folder / f"step-{step}"
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def test_resuming_from_a_checkpoint_that_holds_only_the_model_is_refused(tmp_path):
+    """A model-only last save (the 0.8B/2B configs' last_save_model_only) or an HF export cannot
+    be resumed: torchtitan failed with a missing key or a missing .metadata."""
+    from titan_gdn.validation import validate_job_config
+
+    folder = tmp_path / "checkpoint"
+    _saved_step(folder, 3, model_only=False)
+    model_only = _saved_step(folder, 6, model_only=True)
+    job_config = _job_config(
+        "--job.dump_folder", str(tmp_path), "--checkpoint.enable", "--training.steps", "9"
+    )  # fmt: skip
+    (problem,) = _problems(job_config)
+    assert problem == (
+        f"{model_only} holds only the model (checkpoint.last_save_model_only = true), not the "
+        "optimizer, learning-rate schedule, data position and step a resume loads; to train on "
+        "from these weights, start a new run (a new job.dump_folder) with "
+        f"checkpoint.initial_load_path = '{model_only}', or resume from an earlier step with "
+        "checkpoint.load_step (complete: [3])"
+    )
+    # Not loading what it lacks is a resume torchtitan can do.
+    excluded = copy.deepcopy(job_config)
+    excluded.checkpoint.exclude_from_loading = [
+        "optimizer", "lr_scheduler", "dataloader", "train_state"
+    ]  # fmt: skip
+    validate_job_config(excluded, world_size=1)
+
+    export = folder / "step-7"
+    export.mkdir()
+    (export / "model.safetensors.index.json").write_text("{}")
+    (export / "model.safetensors").write_bytes(b"")
+    (problem,) = _problems(job_config)
+    assert problem.startswith(
+        f"{export} holds only the model (a Hugging Face export, checkpoint.last_save_in_hf = "
+        "true), not the optimizer"
+    )
+    assert (
+        f"checkpoint.initial_load_path = '{export}' and checkpoint.initial_load_in_hf = true, "
+        "or resume from an earlier step with checkpoint.load_step (complete: [3, 6])"
+    ) in problem
+
+
+def test_a_run_whose_checkpoint_is_at_or_past_training_steps_is_named_finished(tmp_path):
+    from titan_gdn.validation import validate_job_config
+
+    step = random.randint(2, 50)
+    folder = _saved_step(tmp_path / "checkpoint", step, model_only=False)
+    for steps in (step, step - 1):
+        job_config = _job_config(
+            "--job.dump_folder", str(tmp_path), "--training.steps", str(steps)
+        )  # fmt: skip
+        assert _problems(job_config) == [
+            f"{folder} is step {step}, at or past training.steps = {steps}: the run in "
+            f"job.dump_folder = '{tmp_path}' is finished and would train nothing; raise "
+            f"training.steps above {step} to train on, or set a new job.dump_folder for a new run"
+        ]
+    validate_job_config(_job_config("--job.dump_folder", str(tmp_path)), world_size=1)
+
+
+def test_rerunning_a_finished_run_says_what_to_change(tmp_path):
+    """The same command again trains nothing: it says so instead of "Training completed".
+    With more steps, a last checkpoint of only the model is named, not a KeyError."""
+    model_only = ("--checkpoint.enable", "--checkpoint.last_save_model_only")
+    first = _launch(tmp_path, "--training.steps", "3", *model_only)
+    assert first.code == 0 and sorted(first.steps) == [1, 2, 3], first.output[-6000:]
+    folder = tmp_path / "checkpoint" / "step-3"
+    again = _launch(tmp_path, "--training.steps", "3", *model_only)
+    assert again.code == 1 and not again.steps, again.output[-6000:]
+    assert f"{folder} is step 3, at or past training.steps = 3" in again.output
+    assert "Training completed" not in again.output
+    longer = _launch(tmp_path, "--training.steps", "5", *model_only)
+    assert longer.code == 1 and not longer.steps, longer.output[-6000:]
+    assert f"{folder} holds only the model (checkpoint.last_save_model_only = true)" in (
+        longer.output
+    )
+    assert "Traceback" not in again.output + longer.output
+
+
+def test_an_hf_import_that_would_leave_tensors_out_is_refused(hf_qwen3_5, tmp_path):
+    """config.json asking for 2 of the checkpoint's 4 layers loaded a cut-down model: the import
+    reads the tensors the model asks for and never looks at the others."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.hf_reference import random_hf_model, tiny_hf_config
+    from titan_gdn.validation import validate_job_config
+
+    source = tmp_path / "hf"
+    config = tiny_hf_config(tied=True, vocab_size=2048)
+    random_hf_model(hf_qwen3_5, config, seed=3).save_pretrained(source, safe_serialization=True)
+    shutil.copytree(TOKENIZER, source, dirs_exist_ok=True)
+    job_config = _job_config(
+        "--job.dump_folder", str(tmp_path / "run"),
+        "--model.flavor", "from_hf_config",
+        "--model.hf_assets_path", str(source),
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path", str(source),
+    )  # fmt: skip
+    validate_job_config(job_config, world_size=1)  # the checkpoint's own config.json
+
+    (source / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    (problem,) = _problems(job_config)
+    weights = load_file(source / "model.safetensors")
+    unused = sorted(name for name in weights if re.match(r"model\.layers\.[23]\.", name))
+    assert problem == (
+        f"checkpoint.initial_load_path = '{source}' holds {len(unused)} tensor(s) that "
+        "model.flavor = 'from_hf_config' does not use, which an HF import leaves out without a "
+        f"word: {', '.join(unused[:3])}, ... ({len(unused) - 3} more); it has layers up to 3 "
+        "and the model 2 (n_layers, num_hidden_layers in config.json); use the checkpoint's "
+        'own config.json (model.flavor = "from_hf_config" with model.hf_assets_path at its '
+        "folder)"
+    )
+
+    # A tensor of a name the model does not have, in a checkpoint of the right depth.
+    (source / "config.json").write_text(json.dumps(config))
+    save_file({"model.layers.0.mlp.extra.weight": torch.zeros(2)}, source / "extra.safetensors")
+    (problem,) = _problems(job_config)
+    assert "holds 1 tensor(s) that model.flavor = 'from_hf_config' does not use" in problem
+    assert "word: model.layers.0.mlp.extra.weight; use the checkpoint's own" in problem
+
+
 def test_bad_settings_stop_the_trainer_before_anything_is_built(tmp_path):
     run = _launch(
         tmp_path,
@@ -452,6 +643,34 @@ def test_bad_settings_stop_the_trainer_before_anything_is_built(tmp_path):
     # Raised before torchtitan's init: no process group, tokenizer, loader or model.
     for later in ("Building", "Training starts", "Packed training data"):
         assert later not in run.output, run.output[-6000:]
+
+
+def test_a_config_error_on_two_ranks_is_shown_once_without_tracebacks(tmp_path):
+    """With LOG_RANK=0 the console shows rank 0 only, and rank 1 could fail first: the check
+    runs once before torchrun starts the ranks."""
+    run = _launch(
+        tmp_path,
+        "--parallelism.context_parallel_degree", "2",
+        "--training.seq_len", "255",
+        ngpu=2,
+    )  # fmt: skip
+    assert run.code == 1, run.output[-6000:]
+    assert run.output.splitlines() == [
+        "1 problem(s) in the job config; nothing was built or trained:",
+        "  - training.seq_len = 255 is not divisible by parallelism.context_parallel_degree = 2;"
+        " use a multiple of 2",
+    ], run.output[-6000:]
+
+
+def test_a_config_error_in_a_rank_is_its_message_without_a_traceback(tmp_path):
+    """Launched without run_train.sh (python or torchrun), the trainer's own check reports."""
+    command = [sys.executable, "-m", "titan_gdn.train", "--job.config_file", str(DEBUG_CONFIG)]
+    command += ["--job.dump_folder", str(tmp_path), "--training.seq_len", "0"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == 1, result.stderr[-6000:]
+    assert "training.seq_len = 0 must be at least 1" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr[-6000:]
 
 
 # Bad data
@@ -687,6 +906,7 @@ def _assert_resumed_like_uninterrupted(dump: Path, resumed: Run, earlier_files, 
     first = min(resumed.steps)
     assert sorted(resumed.steps) == list(range(first, STEPS + 1))
     assert resumed.steps == {step: run.steps[step] for step in resumed.steps}
+    assert "learning-rate schedule is not the one" not in resumed.output  # total_steps kept
     resumed_tb = _tensorboard(_tensorboard_files(dump) - earlier_files)
     for tag in ("loss_metrics/global_avg_loss", "grad_norm", "documents_per_step", "lr"):
         expected = {step: reference_tb[tag][step] for step in range(first, STEPS + 1)}
@@ -741,8 +961,10 @@ def test_a_checkpoint_interrupted_while_written_is_never_resumed_from(uninterrup
     assert crashed.code != 0 and _killed_by_sigkill(crashed.output), crashed.output[-6000:]
     assert sorted(crashed.steps) == [1, 2, 3, 4]
     folder = dump / "checkpoint"
-    # Both ranks wrote their data for step 4; the metadata that completes it never came.
-    assert sorted(p.name for p in (folder / "step-4").iterdir()) == ["__0_0.distcp", "__1_0.distcp"]
+    # Both ranks wrote their data for step 4, and their checksums; the metadata that completes
+    # it never came.
+    written = sorted(p.name for p in (folder / "step-4").iterdir())
+    assert written == ["__0_0.distcp", "__1_0.distcp", "checksums.json"]
     assert checkpoint_steps(folder) == ([2], [4])
     assert CheckpointManager._find_load_step(SimpleNamespace(folder=str(folder))) == 2
 
@@ -754,6 +976,166 @@ def test_a_checkpoint_interrupted_while_written_is_never_resumed_from(uninterrup
     assert "Training starts at step 3" in resumed.output
     _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted)
     assert checkpoint_steps(folder) == ([2, 4, 6], [])  # step 4 written again, whole
+
+
+# A checkpoint damaged after its save
+
+
+def _small_checkpoint(folder: Path, writer=None) -> None:
+    """A DCP checkpoint of random tensors, saved without a process group (by `writer`)."""
+    import torch.distributed.checkpoint as dcp
+
+    from titan_gdn.checkpoint import ChecksummedWriter
+
+    state = {"weight": torch.randn(128, 128), "bias": torch.randn(128), "train_state": {"step": 1}}
+    writer = (writer or ChecksummedWriter)(str(folder))
+    dcp.save(state, storage_writer=writer, no_dist=True)
+
+
+def _zero_inside(path: Path, length: int) -> None:
+    """`length` bytes somewhere inside `path` set to zero; its size stays."""
+    data = bytearray(path.read_bytes())
+    start = random.randrange(0, len(data) - length)
+    assert any(data[start : start + length])
+    data[start : start + length] = bytes(length)
+    path.write_bytes(bytes(data))
+
+
+def test_a_checkpoint_changed_after_its_save_is_named(tmp_path):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from titan_gdn.checkpoint import checkpoint_damage
+
+    folder = tmp_path / "step-1"
+    _small_checkpoint(folder)
+    assert checkpoint_damage(folder) == []
+    data = folder / "__0_0.distcp"
+    intact = data.read_bytes()
+    _zero_inside(data, 4096)
+    assert checkpoint_damage(folder) == [
+        "__0_0.distcp holds other bytes than were saved (its checksum differs)"
+    ]
+    data.write_bytes(intact[: len(intact) // 2])
+    assert checkpoint_damage(folder) == [
+        f"__0_0.distcp is cut short ({len(intact) // 2:,} of {len(intact):,} bytes)"
+    ]
+    data.unlink()
+    assert checkpoint_damage(folder) == ["__0_0.distcp is missing"]
+    (folder / ".metadata").write_bytes(bytes(64))
+    (problem,) = checkpoint_damage(folder)
+    assert problem.startswith("its metadata cannot be read")
+    # A checkpoint saved without checksums (torchtitan's own writer): sizes are checked.
+    plain = tmp_path / "plain"
+    _small_checkpoint(plain, writer=FileSystemWriter)
+    assert checkpoint_damage(plain) == []
+    data = plain / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-1])
+    (problem,) = checkpoint_damage(plain)
+    assert problem.startswith("__0_0.distcp is cut short")
+
+
+def test_resume_passes_over_damaged_checkpoints_to_the_newest_intact_one(tmp_path):
+    from titan_gdn.checkpoint import CheckpointDamageError, checkpoint_damage, newest_intact_step
+
+    folder = tmp_path / "checkpoint"
+    for step in (2, 4, 6):
+        _small_checkpoint(folder / f"step-{step}")
+    (folder / "step-8").mkdir()  # interrupted: no .metadata
+    assert newest_intact_step(folder, checkpoint_damage) == 6
+    _zero_inside(folder / "step-6" / "__0_0.distcp", 64)
+    assert newest_intact_step(folder, checkpoint_damage) == 4
+    for step in (2, 4):
+        _zero_inside(folder / f"step-{step}" / "__0_0.distcp", 64)
+    with pytest.raises(CheckpointDamageError, match=f"every checkpoint in {folder} is damaged"):
+        newest_intact_step(folder, checkpoint_damage)
+
+
+def test_a_checkpoint_damaged_in_place_is_skipped_for_the_one_before(uninterrupted, tmp_path):
+    from titan_gdn.checkpoint import checkpoint_damage
+    from titan_gdn.validation import checkpoint_steps
+
+    dump = tmp_path / "run"
+    first = _launch(dump, *RESUMABLE, "--training.steps", "4", ngpu=2)
+    assert first.code == 0 and sorted(first.steps) == [1, 2, 3, 4], first.output[-6000:]
+    folder = dump / "checkpoint"
+    assert checkpoint_steps(folder) == ([2, 4], [])
+    _zero_inside(folder / "step-4" / "__1_0.distcp", 64 * 1024)
+
+    earlier_files = _tensorboard_files(dump)
+    resumed = _launch(dump, *RESUMABLE, ngpu=2)
+    assert resumed.code == 0, resumed.output[-6000:]
+    assert f"Ignoring checkpoint step-4 in {folder}: damaged since it was saved " in resumed.output
+    assert "__1_0.distcp holds other bytes than were saved" in resumed.output
+    assert f"Loading the checkpoint from {folder}/step-2." in resumed.output
+    assert "Training starts at step 3" in resumed.output
+    _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted)
+    assert checkpoint_steps(folder) == ([2, 4, 6], [])  # step 4 written again, whole
+    assert checkpoint_damage(folder / "step-4") == []
+
+
+def test_a_resume_onto_a_longer_schedule_says_so(tmp_path):
+    """training.steps sets the schedule's length: 4 steps continued to 6 train steps 5-6 on
+    another curve than an uninterrupted 6-step run, and the log says so."""
+    full = ("--checkpoint.enable", "--checkpoint.no-last-save-model-only")
+    warmup = ("--lr_scheduler.warmup_steps", "2")
+    first = _launch(tmp_path, "--training.steps", "4", *full, *warmup)
+    assert first.code == 0, first.output[-6000:]
+    longer = _launch(tmp_path, "--training.steps", "6", *full, *warmup)
+    assert longer.code == 0 and sorted(longer.steps) == [5, 6], longer.output[-6000:]
+    assert (
+        "The learning-rate schedule is not the one the checkpoint of step 4 was trained with "
+        "(training.steps or [lr_scheduler] changed): step 5 trains at lr "
+    ) in longer.output
+    assert "set lr_scheduler.total_steps to its final length" in longer.output
+
+
+def _alive(pid: int) -> bool:
+    """`pid` exists and is not a zombie (an orphan's zombie may wait for a reaper)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_launcher_killed_with_sigkill_takes_its_ranks_with_it(tmp_path):
+    """kill -9 of run_train.sh (torchrun's agent, the ranks' parent) ends the training
+    ranks too: none goes on training, writing checkpoints or holding a device."""
+    command = ["bash", "run_train.sh", "--job.dump_folder", str(tmp_path), *SMALL]
+    command += ["--training.steps", "100000"]  # far more than this test waits for
+    environment = {**os.environ, "NGPU": "2", "CONFIG_FILE": str(DEBUG_CONFIG)}
+    launcher = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env={**environment, "LOG_RANK": "0", "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    watchdog = threading.Timer(300, os.killpg, (launcher.pid, signal.SIGKILL))
+    watchdog.start()
+    ranks = []
+    try:
+        for line in launcher.stdout:
+            if re.search(r"step:\s*2\s+loss", line):
+                break
+        ranks = [_rank_pid(launcher.pid, rank=rank) for rank in (0, 1)]
+        assert None not in ranks, ranks
+        launcher.kill()  # SIGKILL, to the launcher alone: no handler, no group
+        assert launcher.wait() == -signal.SIGKILL
+        deadline = time.monotonic() + 120
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [pid for pid in ranks if _alive(pid)], "ranks outlived their launcher"
+    finally:
+        watchdog.cancel()
+        launcher.stdout.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for pid in ranks:
+            if pid is not None and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_model_max_seq_len_raises_the_limit_the_validation_names():

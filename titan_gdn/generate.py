@@ -110,6 +110,18 @@ def checkpoint_format(path: Path) -> str:
     )
 
 
+def check_intact(path: Path) -> None:
+    """A DCP folder whose files changed since the save is refused (titan_gdn.checkpoint)."""
+    from titan_gdn.checkpoint import checkpoint_damage
+
+    problems = checkpoint_damage(path)
+    if problems:
+        raise GenerateError(
+            f"--checkpoint {path} is damaged since it was saved ({'; '.join(problems)}); pass "
+            "another step folder"
+        )
+
+
 def _step_number(path: Path) -> int:
     suffix = path.name.removeprefix("step-")
     return int(suffix) if suffix.isdigit() else -1
@@ -372,6 +384,7 @@ def prepare(args: argparse.Namespace):
     tokenizer_path = tokenizer_folder(args.tokenizer, path, fmt)
     margs = model_args(args.flavor, path, fmt, tokenizer_path)
     if fmt == DCP:
+        check_intact(path)
         found = {ours: meta.size for ours, (_, meta) in dcp_model_keys(path).items()}
     else:
         found = hf_model_shapes(path, margs)

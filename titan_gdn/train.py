@@ -1,12 +1,16 @@
 """Training entry point: ``python -m titan_gdn.train --job.config_file X [overrides]``.
 
-The same as ``python -m torchtitan.train``, except that the device is settled first, so that a
-machine without an accelerator trains on CPU + gloo (see :mod:`titan_gdn.cpu`), and that the
-config file's section and key names are checked before anything starts (see
-:mod:`titan_gdn.config_check`), and that start-up records a user cannot act on stay off the
-console (see :class:`titan_gdn.trainer.QuietConsole`).
+The same as ``python -m torchtitan.train``, except that a rank started by torchrun ends when
+its launcher dies, that the device is settled first, so that a machine without an accelerator
+trains on CPU + gloo (see :mod:`titan_gdn.cpu`), and that the config file's section and key
+names are checked before anything starts (see :mod:`titan_gdn.config_check`), and that start-up
+records a user cannot act on stay off the console (see
+:class:`titan_gdn.trainer.QuietConsole`).
 """
 
+import ctypes
+import os
+import signal
 import sys
 import warnings
 
@@ -42,7 +46,28 @@ def quiet_known_warnings(on_cpu: bool) -> None:
         )
 
 
+# linux/prctl.h
+_PR_SET_PDEATHSIG = 1
+
+
+def end_with_launcher() -> None:
+    """Under torchrun, die (SIGKILL) when the launcher does.
+
+    torchrun starts each rank in a session of its own, so a SIGKILL of torchrun, of
+    run_train.sh or of their process group never reaches the ranks: they would go on training,
+    writing checkpoints into the folder a rerun uses, and holding their GPU. The kernel's
+    parent-death signal does reach them (torchrun's agent is the ranks' parent)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() == 1:  # the launcher died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
+    end_with_launcher()
     # Before torchtitan.train is imported: it and its imports copy the device at import time.
     on_cpu = use_cpu_if_no_accelerator()
     quiet_known_warnings(on_cpu)
@@ -52,13 +77,17 @@ def main() -> None:
     from torchtitan.train import main as torchtitan_main
 
     from titan_gdn.trainer import QUIET_CONSOLE, Qwen35Trainer
+    from titan_gdn.validation import ConfigError
 
     # On torchtitan's (root) logger itself: its init_logger replaces handlers, not filters.
     logger.addFilter(QUIET_CONSOLE)
 
     # torchtitan's own main: init_logger, ConfigManager().parse_args(), Trainer, train,
     # close, destroy_process_group.
-    torchtitan_main(Qwen35Trainer)
+    try:
+        torchtitan_main(Qwen35Trainer)
+    except ConfigError as error:  # its message is the report; a traceback adds nothing
+        raise SystemExit(str(error)) from None
 
 
 if __name__ == "__main__":

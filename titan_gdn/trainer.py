@@ -1,8 +1,9 @@
 """torchtitan's Trainer with this model's batch preparation and a loadable HF export, and the
-guards of a long run: the whole config checked before anything is built, token ids checked
-against the vocabulary, NaN/inf losses stopped (or skipped) before the optimizer step. Its
-console shows what a user acts on (`QuietConsole`), and a run can end with a sample of text
-from the trained model (`[sample]`)."""
+guards of a long run: the whole config checked before anything is built, checkpoints verified
+before they are resumed from, token ids checked against the vocabulary, NaN/inf losses stopped
+(or skipped) before the optimizer step. Its console shows what a user acts on
+(`QuietConsole`), and a run can end with a sample of text from the trained model
+(`[sample]`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
+from titan_gdn.checkpoint import VerifiedCheckpointManager
 from titan_gdn.data.vocab_check import check_token_ids
 from titan_gdn.generate import encode_prompt, generate, render
 from titan_gdn.job_config import setting
@@ -109,6 +111,9 @@ class Qwen35Trainer(Trainer):
         QUIET_CONSOLE.single_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
         _warmup_within_the_run(job_config)
         super().__init__(job_config)
+        # torchtitan's Trainer builds its CheckpointManager inline; ours adds behaviour only
+        # (checksums at save, verified at load), so the instance takes its class.
+        self.checkpointer.__class__ = VerifiedCheckpointManager
         self._write_model_args(QUIET_CONSOLE.model_args_path)
         self._progress_started = False
         self._cudagraphs = setting(job_config, "compile", "cudagraphs")

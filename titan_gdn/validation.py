@@ -7,13 +7,17 @@ they protect (`job_config_problems` in model/args.py, `layout_problems` in cp_la
 `expert_parallel_problems`, `unsupported_parallelism_problems`, `build_document_source`) and
 adds the ones torchtitan would only hit later: after the model is built (parallel degrees,
 checkpoint paths) or at the very last step (an HF export without `last_save_model_only`).
+`python -m titan_gdn.validation` (`main`) runs the same checks before a launcher starts the
+ranks.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -53,6 +57,8 @@ def configuration_problems(job_config, world_size: int) -> list[str]:
     return [
         *_parallelism_problems(job_config.parallelism, world_size),
         *_batch_problems(job_config, world_size),
+        *_gradient_clipping_problems(job_config.training),
+        *_schedule_problems(job_config),
         *_model_problems(job_config, world_size),
         *_data_problems(job_config),
         *_checkpoint_problems(job_config, world_size),
@@ -166,6 +172,50 @@ def _batch_problems(job_config, world_size: int) -> list[str]:
             f"training.global_batch_size = {training.global_batch_size} is not a multiple of "
             f"training.local_batch_size x data-parallel ranks = {local} x {data_parallel}; "
             f"use a multiple of {per_micro_batch} (or -1: one micro-batch per step)"
+        )
+    return problems
+
+
+def _gradient_clipping_problems(training) -> list[str]:
+    # torchtitan scales the gradients by max_norm / norm: 0 zeroes them and a negative value
+    # turns them around (gradient ascent). Other trainers read 0 as "no clipping"; torchtitan
+    # has no such value, and inf is what clips nothing.
+    max_norm = training.max_norm
+    if max_norm > 0:
+        return []
+    if max_norm == 0:
+        effect = "zeroes every gradient (no learning)"
+    elif max_norm < 0:
+        effect = "reverses every gradient (gradient ascent)"
+    else:
+        effect = "makes every gradient NaN"
+    return [
+        f"training.max_norm = {max_norm} {effect}: the gradients are scaled to at most "
+        "this norm; set a positive norm (e.g. 1.0), or inf for no clipping"
+    ]
+
+
+def _schedule_problems(job_config) -> list[str]:
+    """Lengths torchtitan takes as given: a negative step count ends in an assertion about
+    decay steps, log_freq 0 in a division by zero, a negative warm-up in a negative lr."""
+    training, scheduler = job_config.training, job_config.lr_scheduler
+    problems = []
+    if training.steps < 1:
+        problems.append(f"training.steps = {training.steps} must be at least 1")
+    if scheduler.warmup_steps < 0:
+        problems.append(
+            f"lr_scheduler.warmup_steps = {scheduler.warmup_steps} must be at least 0 "
+            "(0: no warm-up)"
+        )
+    if scheduler.total_steps is not None and scheduler.total_steps < 1:
+        problems.append(
+            f"lr_scheduler.total_steps = {scheduler.total_steps} must be at least 1, or unset "
+            "(the schedule then spans training.steps)"
+        )
+    if job_config.metrics.log_freq < 1:
+        problems.append(
+            f"metrics.log_freq = {job_config.metrics.log_freq} must be at least 1 (a line "
+            "every N steps)"
         )
     return problems
 
@@ -364,17 +414,144 @@ def _initial_load_problems(job_config, incomplete: list[int]) -> list[str]:
             f"checkpoint.initial_load_in_hf = true but {setting_name} = {source!r} has no "
             "*.safetensors weights; point it at the HF model folder"
         ]
+    if checkpoint.initial_load_in_hf:
+        return _unused_hf_weight_problems(job_config, source, setting_name)
     return []
 
 
+_LAYER_INDEX = re.compile(r"\blayers\.(\d+)\.")
+
+
+def _unused_hf_weight_problems(job_config, source: str, setting_name: str) -> list[str]:
+    """An HF import loads the tensors the model asks for and never looks at the others: a
+    config.json with fewer layers (or a smaller model) than the weights would train a cut-down
+    model without a word. Names from the safetensors headers; no weight is read."""
+    try:
+        args = _model_args(job_config)
+    except (KeyError, ValueError, FileNotFoundError):
+        return []  # reported by the model checks
+    stored, requested = _stored_hf_names(Path(source)), _requested_hf_names(args, job_config)
+    if requested - stored:
+        return []  # the import stops naming the missing tensor: another layout, not a subset
+    if args.enable_weight_tying:
+        stored.discard("lm_head.weight")  # tied: the embedding is the output projection
+    unused = sorted(stored - requested)
+    if not unused:
+        return []
+    layers = {int(match.group(1)) for name in unused if (match := _LAYER_INDEX.search(name))}
+    beyond = [layer for layer in layers if layer >= args.n_layers]
+    depth = (
+        f"; it has layers up to {max(beyond)} and the model {args.n_layers} (n_layers, "
+        "num_hidden_layers in config.json)"
+        if beyond
+        else ""
+    )
+    more = f", ... ({len(unused) - 3} more)" if len(unused) > 3 else ""
+    return [
+        f"{setting_name} = {source!r} holds {len(unused)} tensor(s) that model.flavor = "
+        f"{job_config.model.flavor!r} does not use, which an HF import leaves out without a "
+        f"word: {', '.join(unused[:3])}{more}{depth}; use the checkpoint's own config.json "
+        '(model.flavor = "from_hf_config" with model.hf_assets_path at its folder)'
+    ]
+
+
+def _stored_hf_names(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    from titan_gdn.model.state_dict_adapter import NOT_TEXT
+
+    names = set()
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as weights:
+            names.update(weights.keys())
+    return {name for name in names if not NOT_TEXT.match(name)}  # vision, MTP: not loaded
+
+
+def _requested_hf_names(args, job_config) -> set[str]:
+    """The HF names the import asks for: the model's state dict (built on the meta device)
+    through the state-dict adapter, as torchtitan's HF load maps it."""
+    import torch
+
+    from titan_gdn.model import Qwen35Model, Qwen35StateDictAdapter
+
+    with torch.device("meta"):
+        state_dict = Qwen35Model(args).state_dict()
+    adapter = Qwen35StateDictAdapter(args, job_config.model.hf_assets_path)
+    return set(adapter.to_hf(state_dict))
+
+
 def _resume_problems(job_config, world_size: int, complete: list[int]) -> list[str]:
-    """The data loader's position is saved per data-parallel rank and cannot be resharded
-    (torchtitan asserts it once the model is built); compare the rank counts now."""
+    """What torchtitan would trip over once the model is built, or silently not do, when it
+    resumes from the step it picks: a finished run, a checkpoint without the training state,
+    a data position split over other ranks."""
     checkpoint = job_config.checkpoint
     step = complete[-1] if checkpoint.load_step == -1 else checkpoint.load_step
-    if step == 0 or "dataloader" in checkpoint.exclude_from_loading:
-        return []  # a model-only (seed) checkpoint, or the data position is not restored
+    if step == 0 or checkpoint.create_seed_checkpoint:
+        return []  # a seed checkpoint is loaded as model only; a seed run loads nothing
     folder = checkpoint_folder(job_config) / f"step-{step}"
+    if 1 <= job_config.training.steps <= step:
+        return [_finished_run_problem(job_config, folder, step)]
+    model_only = _model_only_problem(checkpoint, folder, [s for s in complete if s < step])
+    if model_only:
+        return [model_only]
+    return _data_parallel_rank_problems(job_config, world_size, folder)
+
+
+def _finished_run_problem(job_config, folder: Path, step: int) -> str:
+    steps = job_config.training.steps
+    return (
+        f"{folder} is step {step}, at or past training.steps = {steps}: the run in "
+        f"job.dump_folder = {job_config.job.dump_folder!r} is finished and would train nothing; "
+        f"raise training.steps above {step} to train on, or set a new job.dump_folder for a new run"
+    )
+
+
+# What a resume loads beside the model (torchtitan's CheckpointManager._states_to_load).
+_TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+def _model_only_problem(checkpoint, folder: Path, earlier: list[int]) -> str | None:
+    """A resume from a checkpoint that holds only the model (`last_save_model_only`, or an HF
+    export) fails in torchtitan with a missing key or a missing .metadata."""
+    wanted = [name for name in _TRAINING_STATE if name not in checkpoint.exclude_from_loading]
+    if (folder / ".metadata").is_file():
+        saved = _saved_states(folder)
+        if not wanted or saved is None or saved & set(_TRAINING_STATE):
+            return None  # unreadable metadata is for the resume's verification to report
+        kind, in_hf = "checkpoint.last_save_model_only = true", ""
+    else:
+        kind = "a Hugging Face export, checkpoint.last_save_in_hf = true"
+        in_hf = " and checkpoint.initial_load_in_hf = true"
+    other_step = (
+        f", or resume from an earlier step with checkpoint.load_step (complete: {earlier})"
+        if earlier
+        else ""
+    )
+    return (
+        f"{folder} holds only the model ({kind}), not the optimizer, learning-rate schedule, "
+        f"data position and step a resume loads; to train on from these weights, start a new "
+        f"run (a new job.dump_folder) with checkpoint.initial_load_path = '{folder}'{in_hf}"
+        f"{other_step}"
+    )
+
+
+def _saved_states(folder: Path) -> set[str] | None:
+    """The top-level names in a DCP checkpoint (model keys and training states), or None when
+    its metadata cannot be read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    except Exception:  # unpickling errors of every kind
+        return None
+    return {key.split(".", 1)[0] for key in keys}
+
+
+def _data_parallel_rank_problems(job_config, world_size: int, folder: Path) -> list[str]:
+    """The data loader's position is saved per data-parallel rank and cannot be resharded
+    (torchtitan asserts it once the model is built); compare the rank counts now."""
+    if "dataloader" in job_config.checkpoint.exclude_from_loading:
+        return []  # the data position is not restored
     saved = _saved_data_parallel_ranks(folder)
     parallelism = job_config.parallelism
     ranks = parallelism.data_parallel_replicate_degree * _shard_degree(parallelism, world_size)
@@ -390,6 +567,7 @@ def _resume_problems(job_config, world_size: int, complete: list[int]) -> list[s
 
 def _saved_data_parallel_ranks(folder: Path) -> int | None:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     state = {"dataloader": {"world_size": -1}}
     try:
@@ -397,7 +575,7 @@ def _saved_data_parallel_ranks(folder: Path) -> int | None:
             # Read before the process group exists, on purpose: each rank reads one entry.
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    except Exception:  # no data loader state in it (model-only): nothing to compare
+    except (Exception, CheckpointException):  # DCP's own is a BaseException
         return None
     return state["dataloader"]["world_size"]
 
@@ -427,3 +605,39 @@ def _fault_policy_problems(job_config) -> list[str]:
             "first NaN/inf loss)"
         ]
     return []
+
+
+# Before the launcher
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m titan_gdn.validation --world-size N --job.config_file X [overrides]``: the
+    trainer's checks, in one process, before a launcher starts N ranks (run_train.sh runs it
+    before torchrun). Every problem is printed, one per line, without a traceback, and the exit
+    status is 1; nothing is printed when there is none. In the ranks the same problems would
+    arrive inside tracebacks and torchrun's failure report, from whichever rank failed first:
+    one whose output the console may not show."""
+    parser = argparse.ArgumentParser(prog="python -m titan_gdn.validation", allow_abbrev=False)
+    parser.add_argument("--world-size", type=int, required=True, help="NGPU x NNODES")
+    options, trainer_args = parser.parse_known_args(argv)
+    from titan_gdn.config_check import check_config_file
+    from titan_gdn.cpu import use_cpu_if_no_accelerator
+
+    use_cpu_if_no_accelerator()  # as the trainer does, before torchtitan reads the device
+    check_config_file(trainer_args)
+    from torchtitan.config import ConfigManager
+
+    from titan_gdn.train_spec import TRAIN_SPEC_NAME
+
+    job_config = ConfigManager().parse_args(trainer_args)
+    if job_config.model.name != TRAIN_SPEC_NAME:
+        return 0  # another model's trainer checks its own config
+    problems = configuration_problems(job_config, options.world_size)
+    if problems:
+        print(ConfigError(problems), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,16 +44,38 @@ class TextFileSource:
         return itertools.islice(self._all_documents(), first, None, stride)
 
     def _all_documents(self) -> Iterator[str]:
-        with open(self.path, encoding="utf-8") as lines:
-            paragraph: list[str] = []
-            for line in lines:
-                if line.strip():
-                    paragraph.append(line)
-                elif paragraph:
-                    yield "".join(paragraph).removesuffix("\n")
-                    paragraph = []
-            if paragraph:
+        paragraph: list[str] = []
+        for line in _utf8_lines(self.path):
+            if line.strip():
+                paragraph.append(line)
+            elif paragraph:
                 yield "".join(paragraph).removesuffix("\n")
+                paragraph = []
+        if paragraph:
+            yield "".join(paragraph).removesuffix("\n")
+
+
+def _utf8_lines(path: Path) -> Iterator[str]:
+    """The lines of `path`; a byte that is not UTF-8 stops with the file and line, which
+    Python's error (a position inside its read buffer) does not give."""
+    with open(path, encoding="utf-8") as lines:
+        try:
+            yield from lines
+        except UnicodeDecodeError:
+            raise ValueError(_first_invalid_utf8(path)) from None
+
+
+def _first_invalid_utf8(path: Path) -> str:
+    with open(path, "rb") as raw:
+        for line_number, line in enumerate(raw, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return (
+                    f"{path}:{line_number} is not UTF-8 text (byte 0x{line[error.start]:02x} at "
+                    f"column {error.start + 1}); save the file as UTF-8 or remove that byte"
+                )
+    return f"{path} is not UTF-8 text; save it as UTF-8"
 
 
 class JsonlSource:
@@ -69,10 +91,9 @@ class JsonlSource:
         return (self._parse(line_number, line) for line_number, line in numbered_lines)
 
     def _numbered_records(self) -> Iterator[tuple[int, str]]:
-        with open(self.path, encoding="utf-8") as lines:
-            for line_number, line in enumerate(lines, start=1):
-                if line.strip():
-                    yield line_number, line
+        for line_number, line in enumerate(_utf8_lines(self.path), start=1):
+            if line.strip():
+                yield line_number, line
 
     def _parse(self, line_number: int, line: str) -> str:
         where = f"{self.path}:{line_number}"

@@ -24,7 +24,7 @@ from titan_gdn.model.args import NEXT, Qwen35ModelArgs
 TEXT_PREFIX = "model."
 MULTIMODAL_PREFIX = "model.language_model."
 # Parts of a multimodal checkpoint that the text model does not have.
-_NOT_TEXT = re.compile(r"^(model\.visual\.|visual\.|mtp\.)")
+NOT_TEXT = re.compile(r"^(model\.visual\.|visual\.|mtp\.)")
 
 # Files of an HF checkpoint folder, besides weights and config, that users of an export need.
 _HF_SIDE_FILES = (
@@ -73,7 +73,7 @@ class Qwen35StateDictAdapter(StateDictAdapter):
             hf_state_dict = split_qwen3_next_projections(hf_state_dict, self.model_args)
         ours = {}
         for key, value in hf_state_dict.items():
-            if _NOT_TEXT.match(key):
+            if NOT_TEXT.match(key):
                 continue
             if key == "lm_head.weight":
                 if not self.model_args.enable_weight_tying:

@@ -1,0 +1,267 @@
+"""Checkpoints verified before they are used.
+
+DCP writes `.metadata` last, so a step folder without it was interrupted while being written
+(`validation.checkpoint_steps`). What `.metadata` cannot show is a file damaged after the save: a
+disk, a copy or a sync tool that zeroes or cuts bytes leaves a folder that loads without an error
+and trains on other weights. So every save records a CRC-32 of each of its data files in
+`checksums.json`, written just before `.metadata` (`ChecksummedWriter`), and a resume checks the
+folder against it first (`checkpoint_damage`); a damaged checkpoint is skipped for the newest one
+before it that is intact, with a line saying so (`VerifiedCheckpointManager`, torchtitan's
+CheckpointManager with both; it also says when a resume continues on another learning-rate
+schedule, `schedule_change`). A folder without `checksums.json` (written by torchtitan itself)
+still has its files checked against the sizes its `.metadata` records.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from collections.abc import Callable
+from contextlib import suppress
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+from torchtitan.components.checkpoint import LR_SCHEDULER, AsyncMode, CheckpointManager
+from torchtitan.tools.logging import logger
+from torchtitan.tools.utils import GarbageCollection
+
+from titan_gdn.validation import checkpoint_steps
+
+CHECKSUMS_FILE = "checksums.json"
+# The name under which a rank's checksums travel to the coordinator with its write results;
+# taken out again before DCP records the results in .metadata.
+_CHECKSUMS_RESULT = "titan_gdn.file_checksums"
+
+
+class CheckpointDamageError(RuntimeError):
+    pass
+
+
+def file_crc32(path: Path) -> int:
+    checksum = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            checksum = zlib.crc32(chunk, checksum)
+    return checksum
+
+
+class ChecksummedWriter(FileSystemWriter):
+    """DCP's file writer, plus `checksums.json`: each rank checksums the files it wrote (read
+    back from the page cache), the coordinator writes them all before `.metadata`."""
+
+    def prepare_global_plan(self, plans):
+        # On the coordinator, before any rank writes: a folder being written again is
+        # incomplete until its new .metadata, not complete with the old one.
+        for name in (".metadata", CHECKSUMS_FILE):
+            with suppress(FileNotFoundError):
+                os.remove(Path(self.path) / name)
+        return super().prepare_global_plan(plans)
+
+    def write_data(self, plan, planner) -> Future[list[WriteResult]]:
+        results = super().write_data(plan, planner).wait()
+        written = {result.storage_data.relative_path for result in results}
+        checksums = {name: file_crc32(Path(self.path) / name) for name in sorted(written)}
+        carrier = WriteResult(MetadataIndex(_CHECKSUMS_RESULT), 0, checksums)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result([*results, carrier])
+        return future
+
+    def finish(self, metadata, results: list[list[WriteResult]]) -> None:
+        checksums, data_results = {}, []
+        for rank_results in results:
+            data_results.append([])
+            for result in rank_results:
+                if result.index.fqn == _CHECKSUMS_RESULT:
+                    checksums.update(result.storage_data)
+                else:
+                    data_results[-1].append(result)
+        _write_atomically(Path(self.path) / CHECKSUMS_FILE, json.dumps({"crc32": checksums}))
+        super().finish(metadata, data_results)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def checkpoint_damage(folder: Path, share: tuple[int, int] = (0, 1)) -> list[str]:
+    """What is wrong with the DCP step folder `folder`, [] when nothing is: `.metadata` that
+    cannot be read, a data file missing or shorter than `.metadata` says, or one whose bytes
+    differ from those saved (`checksums.json`). `share` = (i, n) reads only every n-th data file
+    from the i-th, so that n ranks read the folder once between them."""
+    folder = Path(folder)
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+        checksums = _saved_checksums(folder)
+    except Exception as error:  # unpickling or JSON errors of every kind
+        return [f"its metadata cannot be read ({type(error).__name__}: {error})"]
+    sizes: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), end)
+    index, count = share
+    return [
+        problem
+        for name in sorted(sizes)[index::count]
+        if (problem := _file_damage(folder / name, sizes[name], checksums))
+    ]
+
+
+def _saved_checksums(folder: Path) -> dict[str, int] | None:
+    path = folder / CHECKSUMS_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())["crc32"]
+
+
+def _file_damage(path: Path, size: int, checksums: dict[str, int] | None) -> str | None:
+    if not path.is_file():
+        return f"{path.name} is missing"
+    found = path.stat().st_size
+    if found < size:
+        return f"{path.name} is cut short ({found:,} of {size:,} bytes)"
+    if checksums is None:
+        return None
+    if path.name not in checksums:
+        return f"{path.name} has no checksum in {CHECKSUMS_FILE}"
+    if file_crc32(path) != checksums[path.name]:
+        return f"{path.name} holds other bytes than were saved (its checksum differs)"
+    return None
+
+
+def newest_intact_step(folder: Path, damage: Callable[[Path], list[str]]) -> int:
+    """The newest complete step in `folder` that `damage` finds nothing wrong with, logging each
+    newer one it skips; -1 when there is no complete step. Every complete step damaged is an
+    error: resuming from none would start over in a folder that holds a run."""
+    complete, _ = checkpoint_steps(folder)
+    for step in reversed(complete):
+        problems = damage(Path(folder) / f"step-{step}")
+        if not problems:
+            return step
+        logger.warning(
+            f"Ignoring checkpoint step-{step} in {folder}: damaged since it was saved "
+            f"({'; '.join(problems)}); trying the one before it"
+        )
+    if complete:
+        raise CheckpointDamageError(
+            f"every checkpoint in {folder} is damaged (see above): there is none to resume "
+            "from; restore the folder from a copy, or move it away to start the run afresh"
+        )
+    return -1
+
+
+def schedule_change(schedulers) -> str | None:
+    """What changed when a resumed learning-rate schedule (torchtitan's LRSchedulersContainer,
+    its state just loaded) is not the one the checkpoint was trained with, else None.
+
+    The checkpoint keeps the schedule's position and its last learning rate, not its shape:
+    training.steps sets the length (unless lr_scheduler.total_steps does), so a rerun with more
+    steps continues on another curve. The saved rate for the next step against the one this
+    run's schedule gives there tells them apart."""
+    scheduler = schedulers.schedulers[0]
+    step = scheduler.last_epoch
+    if step == 0:
+        return None  # nothing restored: a fresh or a model-only start
+    saved = scheduler.get_last_lr()[0]
+    now = scheduler.base_lrs[0] * scheduler.lr_lambdas[0](step)
+    if math.isclose(saved, now, rel_tol=1e-6):
+        return None
+    return (
+        f"The learning-rate schedule is not the one the checkpoint of step {step} was trained "
+        f"with (training.steps or [lr_scheduler] changed): step {step + 1} trains at lr "
+        f"{now:.4g} where it had {saved:.4g}, and the run follows this run's schedule from "
+        "here, so it is not what an uninterrupted run of this length would be. To lengthen a "
+        "run exactly, set lr_scheduler.total_steps to its final length from its first start"
+    )
+
+
+class VerifiedCheckpointManager(CheckpointManager):
+    """torchtitan's CheckpointManager that saves with checksums and resumes from the newest
+    intact checkpoint, saying so when the learning-rate schedule changed."""
+
+    def dcp_save(
+        self,
+        state_dict,
+        checkpoint_id: str,
+        async_mode: AsyncMode,
+        enable_garbage_collection: bool = False,
+        to_hf: bool = False,
+    ):
+        if to_hf:  # an HF export: safetensors for other tools, not a resume point
+            return super().dcp_save(
+                state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
+            )
+        # torchtitan's dcp_save with the writer given (it lets DCP pick the plain one).
+        writer = ChecksummedWriter(checkpoint_id)
+        if async_mode == AsyncMode.ASYNC:
+            result = dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg)
+        elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+            result = dcp.async_save(
+                state_dict,
+                storage_writer=writer,
+                process_group=self.pg,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=self.stager,
+            )
+        else:
+            result = dcp.save(state_dict, storage_writer=writer)
+        if enable_garbage_collection:
+            GarbageCollection.collect("GC collection invoked by checkpointer.")
+        return result
+
+    def _find_load_step(self, folder: str = "") -> int:
+        if folder:  # fault tolerance's own folders
+            return super()._find_load_step(folder)
+        return newest_intact_step(Path(self.folder), self._damage)
+
+    def load(self, step: int = -1) -> bool:
+        if self.enable:
+            self._refuse_damaged(step)
+        loaded = super().load(step)
+        change = loaded and schedule_change(self.states[LR_SCHEDULER])
+        if change:
+            logger.warning(change)
+        return loaded
+
+    def _refuse_damaged(self, step: int) -> None:
+        """The checkpoint torchtitan is asked for by name, checked before it is read."""
+        if os.path.exists(self.folder):
+            if step == -1:
+                return  # _find_load_step picks the newest intact one
+            path, setting = Path(self._create_checkpoint_id(step)), f"checkpoint.load_step = {step}"
+            fix = "choose another step, or -1 for the newest intact one"
+        elif self.initial_load_path and not self.initial_load_in_hf:
+            path, setting = Path(self.initial_load_path), "checkpoint.initial_load_path"
+            fix = "point it at an intact checkpoint"
+        else:
+            return
+        problems = self._damage(path)
+        if problems:
+            raise CheckpointDamageError(
+                f"{setting}: {path} is damaged since it was saved ({'; '.join(problems)}); {fix}"
+            )
+
+    def _damage(self, folder: Path) -> list[str]:
+        """checkpoint_damage, each rank reading its share of the files, gathered, so that all
+        ranks reach the same verdict."""
+        if not (folder / ".metadata").is_file():
+            return []  # an HF export; validation refuses resuming from one
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return checkpoint_damage(folder)
+        world = dist.get_world_size()
+        own = checkpoint_damage(folder, share=(dist.get_rank(), world))
+        everyone: list[list[str]] = [[] for _ in range(world)]
+        dist.all_gather_object(everyone, own)
+        return sorted({problem for problems in everyone for problem in problems})
