@@ -7,27 +7,12 @@ import math
 import torch
 
 from tests.conftest import perturb_norms_and_gates
+from titan_gdn.tiny_hf_checkpoint import TINY_SHAPE
 
 
 def tiny_hf_config(tied: bool, **overrides) -> dict:
-    config = dict(
-        vocab_size=211,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
-        max_position_embeddings=4096,
-    )
+    """The tiny checkpoint's shape (`titan_gdn.tiny_hf_checkpoint`), with a small vocabulary."""
+    config = dict(TINY_SHAPE, vocab_size=211, rms_norm_eps=1e-6, tie_word_embeddings=tied)
     config.update(overrides)
     return config
 
