@@ -259,11 +259,16 @@ class Qwen35Trainer(Trainer):
 
 
 def _warmup_within_the_run(job_config) -> None:
-    """A warm-up longer than the run, shortened to the run. torchtitan does the same to its own
-    copy (components/lr_scheduler.py:116, with a warning) but then logs the configured value
-    ("total steps 4 (warmup 5)"); shortened here, the schedule is the same and the log true."""
+    """A warm-up longer than the schedule, shortened to the schedule: lr_scheduler.total_steps
+    where set (a run continued later keeps its schedule), else training.steps. torchtitan does
+    the same to its own copy (components/lr_scheduler.py, with a warning) but then logs the
+    configured value ("total steps 4 (warmup 5)"); shortened here, the schedule is the same and
+    the log true."""
     scheduler = job_config.lr_scheduler
-    scheduler.warmup_steps = min(scheduler.warmup_steps, job_config.training.steps)
+    total = (
+        scheduler.total_steps if scheduler.total_steps is not None else job_config.training.steps
+    )
+    scheduler.warmup_steps = min(scheduler.warmup_steps, total)
 
 
 def _rank() -> int:
