@@ -8,7 +8,6 @@ recompiles for a new document count. The torch backends take that form as it is.
 from __future__ import annotations
 
 import functools
-from itertools import pairwise
 
 import torch
 
@@ -39,16 +38,16 @@ def token_document_starts(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Te
     return cu_seqlens.long()[token_documents(cu_seqlens, num_tokens)]
 
 
-def host_boundaries(cu_seqlens: torch.Tensor) -> list[int]:
-    """The boundaries of the non-empty documents as host integers: the step's one host sync,
-    memoized per boundaries tensor (every layer of a step, forward and backward, gets the
+def host_boundaries(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The boundaries of the non-empty documents on the host (int64, CPU): the step's one host
+    sync, memoized per boundaries tensor (every layer of a step, forward and backward, gets the
     same tensor). The kernels that launch work per document (FLA's conv and delta rule, the
     varlen attention) size their grids from it."""
     memo = boundaries_memo(cu_seqlens)
     if "host" not in memo:
-        bounds = cu_seqlens.tolist()  # the whole padded tensor: 4 bytes a token, one copy
-        end = bounds[-1]
-        memo["host"] = bounds[: bounds.index(end) + 1]
+        bounds = cu_seqlens.to("cpu", torch.int64)  # the whole padded tensor: one copy
+        num_documents = int(torch.searchsorted(bounds, bounds[-1:]))
+        memo["host"] = bounds[: num_documents + 1]
     return memo["host"]
 
 
@@ -68,7 +67,7 @@ def documents_and_chunks(
     num_documents = len(bounds) - 1
     trimmed = cu_seqlens[: num_documents + 1]
     counts = (trimmed.diff() + chunk_size - 1).div(chunk_size, rounding_mode="floor")
-    num_chunks = sum(-(-(b - a) // chunk_size) for a, b in pairwise(bounds))
+    num_chunks = int(bounds.diff().add(chunk_size - 1).div(chunk_size, rounding_mode="floor").sum())
     document = torch.arange(num_documents, device=cu_seqlens.device)
     document = document.repeat_interleave(counts, output_size=num_chunks)
     first_chunk = counts.cumsum(0) - counts

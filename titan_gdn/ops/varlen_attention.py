@@ -49,8 +49,9 @@ def segments(
     memo = boundaries_memo(cu_seqlens)
     key = ("attention", rows, row_len, query_start, query_len)
     if key not in memo:
-        bounds = torch.tensor(host_boundaries(cu_seqlens), dtype=torch.int64)
-        memo[key] = _segments(bounds, rows, row_len, query_start, query_len, cu_seqlens.device)
+        memo[key] = _segments(
+            host_boundaries(cu_seqlens), rows, row_len, query_start, query_len, cu_seqlens.device
+        )
     return memo[key]
 
 
