@@ -106,6 +106,8 @@ def test_the_isolation_check_catches_a_boundary_ignored_in_one_op(monkeypatch, l
         monkeypatch.setattr(
             mixer_ops,
             "document_causal_attention",
-            lambda q, k, v, ids, mask, backend: real(q, k, v, torch.zeros_like(ids), None, backend),
+            lambda q, k, v, ids, mask, backend, *rest, **kwargs: real(
+                q, k, v, torch.zeros_like(ids), None, backend, *rest, **kwargs
+            ),
         )
     assert not _other_documents_unchanged(_tiny_model(seed=3), changed_doc=1)
