@@ -472,11 +472,12 @@ def test_resuming_with_other_data_parallel_ranks_is_refused(tmp_path):
 
     from titan_gdn.validation import validate_job_config
 
+    job_config = _job_config("--job.dump_folder", str(tmp_path), "--checkpoint.enable")
     ranks = random.randint(2, 8)
-    step = random.randint(1, 100)
+    # A step the run resumes from: a checkpoint at or past training.steps is a finished run.
+    step = random.randint(1, job_config.training.steps - 1)
     saved = {"dataloader": {"world_size": ranks, "dp_rank_0": b"position"}}
     dcp.save(saved, checkpoint_id=str(tmp_path / "checkpoint" / f"step-{step}"), no_dist=True)
-    job_config = _job_config("--job.dump_folder", str(tmp_path), "--checkpoint.enable")
     validate_job_config(job_config, world_size=ranks)  # the same ranks resume
     _one_problem_per_fragment(
         _problems(job_config, world_size=ranks - 1),
