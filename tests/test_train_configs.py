@@ -14,9 +14,10 @@ GPU_CONFIGS = {
     "qwen3_5_2b.toml": ("2B", 1, 32768, "none"),
     "qwen3_5_0.8b_cp2.toml": ("0.8B", 2, 32768, "full"),
     "qwen3_5_2b_cp2.toml": ("2B", 2, 32768, "full"),
-    "qwen3_5_0.8b_786k.toml": ("0.8B", 1, 786432, "full"),
-    "qwen3_5_2b_448k.toml": ("2B", 1, 458752, "full"),
-    # Not measured yet: the 8-GPU 35B-A3B run and the one-GPU 4-layer benchmark shape.
+    "qwen3_5_0.8b_448k.toml": ("0.8B", 1, 458752, "full"),
+    # Not measured yet: the 2B long-row length, the 8-GPU 35B-A3B run and the one-GPU 4-layer
+    # benchmark shape.
+    "qwen3_5_2b_320k.toml": ("2B", 1, 327680, "full"),
     "qwen3_5_35b_a3b.toml": ("35B-A3B", 8, 131072, "full"),
     "qwen3_5_35b_a3b_4layers.toml": ("35B-A3B-4layers", 1, 32768, "none"),
 }
