@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_gdn.model import Qwen35Model, Qwen35ModelArgs, Qwen35StateDictAdapter, qwen3_5_args
 from titan_gdn.model.args import FROM_HF_CONFIG, tokenizer_id_bound
+from titan_gdn.model.hf_config import CONFIG_JSON, read_config_json
 
 DEFAULT_FLAVOR = "debugmodel"
 DEFAULT_TOKENIZER = "./assets/tokenizer"
@@ -96,7 +97,7 @@ def checkpoint_format(path: Path) -> str:
         raise GenerateError(f"--checkpoint {path} does not exist; {fix}")
     if path.is_dir() and (path / ".metadata").is_file():
         return DCP
-    if path.is_dir() and (path / "config.json").is_file() and _safetensors_files(path):
+    if path.is_dir() and (path / CONFIG_JSON).is_file() and _safetensors_files(path):
         return HF
     steps = sorted(path.glob("step-*"), key=_step_number) if path.is_dir() else []
     if steps:
@@ -152,20 +153,21 @@ def model_args(flavor: str | None, checkpoint: Path, fmt: str, tokenizer: Path):
     checkpoint holds no config, so the flavor (or config.json beside the tokenizer, for
     from_hf_config, as the trainer reads it from model.hf_assets_path)."""
     if flavor is None and fmt == HF:
-        return _args_from_config(checkpoint / "config.json", "--checkpoint")
+        return _args_from_config(checkpoint, "--checkpoint")
     if flavor == FROM_HF_CONFIG:
-        return _args_from_config(tokenizer / "config.json", "--tokenizer")
+        return _args_from_config(tokenizer, "--tokenizer")
     return copy.deepcopy(qwen3_5_args[flavor or DEFAULT_FLAVOR])
 
 
-def _args_from_config(path: Path, flag: str) -> Qwen35ModelArgs:
+def _args_from_config(folder: Path, flag: str) -> Qwen35ModelArgs:
+    path = folder / CONFIG_JSON
     if not path.is_file():
         raise GenerateError(
             f"--flavor {FROM_HF_CONFIG} reads {path}, which does not exist; point {flag} at the "
             "folder with the model's config.json or pass a named --flavor"
         )
     try:
-        return Qwen35ModelArgs.from_hf_config(json.loads(path.read_text()))
+        return Qwen35ModelArgs.from_hf_config(read_config_json(folder))
     except (KeyError, ValueError) as problem:
         raise GenerateError(
             f"{path} (from {flag}) is not a valid Qwen3.5 config ({problem}); pass a named --flavor"

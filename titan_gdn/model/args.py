@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -12,6 +11,7 @@ from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 
 from titan_gdn.job_config import setting
+from titan_gdn.model import hf_config
 from titan_gdn.model.flops import count_params_and_flops
 from titan_gdn.model.layer_types import FULL_ATTENTION, LAYER_TYPES, LINEAR_ATTENTION
 
@@ -195,114 +195,11 @@ class Qwen35ModelArgs(BaseModelArgs):
         (`qwen3_5_moe_text`) or Qwen3-Next (`qwen3_next`): text, or multimodal with a nested
         `text_config`; a dict without `model_type` is read as dense Qwen3.5. A missing
         required field raises KeyError naming it; another model type, ValueError naming it."""
-        text = config.get("text_config", config)
-        model_type = _hf_model_type(text.get("model_type") or config.get("model_type"))
-        required, optional = _HF_FIELDS[model_type]
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        args = {ours: text[theirs] for ours, theirs in required.items()}
-        args.update({ours: text[theirs] for ours, theirs in optional.items() if theirs in text})
-        for name in ("rope_theta", "partial_rotary_factor"):
-            if name in rope or name in text:
-                args[name] = rope.get(name, text.get(name))
-        args["enable_weight_tying"] = text.get(
-            "tie_word_embeddings", config.get("tie_word_embeddings", False)
-        )
-        if text.get("layer_types"):
-            args["layer_types"] = list(text["layer_types"])
-        # transformers' defaults for what an MoE config.json may leave out.
-        if model_type != DENSE:
-            args.setdefault("router_aux_loss_coef", 0.001)
-        return cls(**{**args, "hf_model_type": model_type, **overrides})
+        return cls(**{**hf_config.args_fields(config), **overrides})
 
     def to_hf_config(self) -> dict[str, Any]:
         """The transformers config fields of these args, for their `hf_model_type` (export)."""
-        required, optional = _HF_FIELDS[self.hf_model_type]
-        return dict(
-            model_type=self.hf_model_type,
-            architectures=[_HF_ARCHITECTURES[self.hf_model_type]],
-            **{theirs: getattr(self, ours) for ours, theirs in {**required, **optional}.items()},
-            tie_word_embeddings=self.enable_weight_tying,
-            rope_parameters=dict(
-                rope_type="default",
-                rope_theta=self.rope_theta,
-                partial_rotary_factor=self.partial_rotary_factor,
-            ),
-            layer_types=list(self.layer_types),
-            hidden_act="silu",
-            attention_bias=False,
-        )
-
-
-DENSE, MOE, NEXT = "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"
-# A model type (the multimodal wrappers' too) -> the text model family it holds.
-_HF_MODEL_TYPES = {
-    "qwen3_5_text": DENSE,
-    "qwen3_5": DENSE,
-    "qwen3_5_moe_text": MOE,
-    "qwen3_5_moe": MOE,
-    "qwen3_next": NEXT,
-}
-_HF_ARCHITECTURES = {
-    DENSE: "Qwen3_5ForCausalLM",
-    MOE: "Qwen3_5MoeForCausalLM",
-    NEXT: "Qwen3NextForCausalLM",
-}
-
-
-def _hf_model_type(model_type: str | None) -> str:
-    if model_type is None:
-        return DENSE
-    if model_type not in _HF_MODEL_TYPES:
-        raise ValueError(
-            f"model_type {model_type!r} is not supported; titan_gdn reads "
-            f"{', '.join(_HF_MODEL_TYPES)}"
-        )
-    return _HF_MODEL_TYPES[model_type]
-
-
-# Our field -> transformers' Qwen3.5 config field, both ways.
-_HF_REQUIRED = {
-    "dim": "hidden_size",
-    "n_layers": "num_hidden_layers",
-    "vocab_size": "vocab_size",
-    "hidden_dim": "intermediate_size",
-    "n_heads": "num_attention_heads",
-    "n_kv_heads": "num_key_value_heads",
-    "linear_num_key_heads": "linear_num_key_heads",
-    "linear_num_value_heads": "linear_num_value_heads",
-    "linear_key_head_dim": "linear_key_head_dim",
-    "linear_value_head_dim": "linear_value_head_dim",
-}
-_HF_OPTIONAL = {
-    "norm_eps": "rms_norm_eps",
-    "head_dim": "head_dim",
-    "linear_conv_kernel_dim": "linear_conv_kernel_dim",
-    "full_attention_interval": "full_attention_interval",
-    "max_seq_len": "max_position_embeddings",
-    "initializer_range": "initializer_range",
-}
-_HF_MOE_REQUIRED = {
-    **{ours: theirs for ours, theirs in _HF_REQUIRED.items() if ours != "hidden_dim"},
-    "num_experts": "num_experts",
-    "num_experts_per_tok": "num_experts_per_tok",
-    "moe_hidden_dim": "moe_intermediate_size",
-    "shared_expert_hidden_dim": "shared_expert_intermediate_size",
-}
-_HF_MOE_OPTIONAL = {**_HF_OPTIONAL, "router_aux_loss_coef": "router_aux_loss_coef"}
-# Qwen3-Next adds dense layers (intermediate_size) and where they are.
-_HF_NEXT_OPTIONAL = {
-    **_HF_MOE_OPTIONAL,
-    "hidden_dim": "intermediate_size",
-    "decoder_sparse_step": "decoder_sparse_step",
-    "mlp_only_layers": "mlp_only_layers",
-    "norm_topk_prob": "norm_topk_prob",
-}
-# Each family's (required, optional) fields: our field -> transformers' field, both ways.
-_HF_FIELDS = {
-    DENSE: (_HF_REQUIRED, _HF_OPTIONAL),
-    MOE: (_HF_MOE_REQUIRED, _HF_MOE_OPTIONAL),
-    NEXT: (_HF_MOE_REQUIRED, _HF_NEXT_OPTIONAL),
-}
+        return hf_config.config_fields(self)
 
 
 def _flavor(dim, n_layers, n_heads, n_kv_heads, hidden_dim, v_heads, tied) -> Qwen35ModelArgs:
@@ -332,7 +229,7 @@ def _moe_flavor(dim, n_layers, n_heads, v_heads, experts, top_k, expert_dim) -> 
         moe_hidden_dim=expert_dim,
         shared_expert_hidden_dim=expert_dim,
         router_aux_loss_coef=0.001,
-        hf_model_type=MOE,
+        hf_model_type=hf_config.MOE,
     )
 
 
@@ -405,15 +302,15 @@ def _settle_cp_load_balancer(job_config) -> None:
 
 def read_hf_config(hf_assets_path: str | None) -> dict[str, Any]:
     """`<hf_assets_path>/config.json`, for the from_hf_config flavor."""
-    path = os.path.join(hf_assets_path or "", "config.json")
-    if not hf_assets_path or not os.path.isfile(path):
+    config = hf_config.read_config_json(hf_assets_path)
+    if config is None:
+        path = os.path.join(hf_assets_path or "", hf_config.CONFIG_JSON)
         raise FileNotFoundError(
             f"model.flavor = {FROM_HF_CONFIG!r} reads config.json from model.hf_assets_path, "
             f"but {path!r} does not exist; point model.hf_assets_path at a Qwen3.5 checkpoint "
             "folder (config.json and tokenizer files) or choose a named model.flavor"
         )
-    with open(path) as f:
-        return json.load(f)
+    return config
 
 
 @dataclass
@@ -532,7 +429,7 @@ qwen3_5_args: Mapping[str, Qwen35ModelArgs] = Qwen35Flavors(
             moe_hidden_dim=128,
             shared_expert_hidden_dim=128,
             router_aux_loss_coef=0.001,
-            hf_model_type=MOE,
+            hf_model_type=hf_config.MOE,
         ),
         FROM_HF_CONFIG: Qwen35ArgsFromHFConfig(),
     }

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
-from titan_gdn.model.args import NEXT, Qwen35ModelArgs
+from titan_gdn.model.args import Qwen35ModelArgs
+from titan_gdn.model.hf_config import CONFIG_JSON, NEXT, read_config_json
 
 TEXT_PREFIX = "model."
 MULTIMODAL_PREFIX = "model.language_model."
@@ -98,7 +99,7 @@ class Qwen35StateDictAdapter(StateDictAdapter):
         `hf_assets_path` is kept as is, since the weights follow its layout) with `dtype` set to
         the export dtype, and copies the tokenizer files from `hf_assets_path`.
         """
-        source = _read_config(self.hf_assets_path)
+        source = read_config_json(self.hf_assets_path) or {}
         if self.prefix == MULTIMODAL_PREFIX:
             config = dict(source)
         else:
@@ -106,7 +107,7 @@ class Qwen35StateDictAdapter(StateDictAdapter):
             config = {**source, **self.model_args.to_hf_config()}
         config.pop("torch_dtype", None)
         config["dtype"] = dtype
-        with open(os.path.join(folder, "config.json"), "w") as f:
+        with open(os.path.join(folder, CONFIG_JSON), "w") as f:
             json.dump(config, f, indent=2)
         for name in _HF_SIDE_FILES:
             path = os.path.join(self.hf_assets_path or "", name)
@@ -203,14 +204,6 @@ def _sections(weight, group_rows: list[int], groups: int) -> list:
     return [s.flatten(0, 1) for s in per_group]
 
 
-def _read_config(hf_assets_path: str | None) -> dict[str, Any]:
-    path = os.path.join(hf_assets_path or "", "config.json")
-    if not hf_assets_path or not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
 def _strip_prefix(key: str) -> str:
     for prefix in (MULTIMODAL_PREFIX, TEXT_PREFIX):
         if key.startswith(prefix):
@@ -219,7 +212,8 @@ def _strip_prefix(key: str) -> str:
 
 
 def _checkpoint_prefix(hf_assets_path: str | None) -> str:
-    return MULTIMODAL_PREFIX if "text_config" in _read_config(hf_assets_path) else TEXT_PREFIX
+    config = read_config_json(hf_assets_path) or {}
+    return MULTIMODAL_PREFIX if "text_config" in config else TEXT_PREFIX
 
 
 # Qwen3-Next's fused GDN input projections. Per key-head group g, in_proj_qkvz's rows are
