@@ -24,7 +24,8 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_gdn.model import Qwen35Model, Qwen35ModelArgs, Qwen35StateDictAdapter, qwen3_5_args
-from titan_gdn.model.args import FROM_HF_CONFIG, tokenizer_id_bound
+from titan_gdn.model.args import tokenizer_id_bound
+from titan_gdn.model.flavors import FROM_HF_CONFIG
 from titan_gdn.model.hf_config import CONFIG_JSON, read_config_json
 
 DEFAULT_FLAVOR = "debugmodel"

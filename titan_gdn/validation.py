@@ -259,7 +259,7 @@ def _model_args(job_config):
     """The flavor's args as the trainer will build them (config.json read for
     from_hf_config), without the job-config checks `update_from_config` adds."""
     from titan_gdn.model import qwen3_5_args
-    from titan_gdn.model.args import Qwen35ArgsFromHFConfig
+    from titan_gdn.model.flavors import Qwen35ArgsFromHFConfig
 
     args = copy.deepcopy(qwen3_5_args[job_config.model.flavor])
     if isinstance(args, Qwen35ArgsFromHFConfig):
