@@ -24,9 +24,9 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_gdn.model import Qwen35Model, Qwen35ModelArgs, Qwen35StateDictAdapter, qwen3_5_args
-from titan_gdn.model.args import tokenizer_id_bound
 from titan_gdn.model.flavors import FROM_HF_CONFIG
 from titan_gdn.model.hf_config import CONFIG_JSON, read_config_json
+from titan_gdn.model.job_checks import tokenizer_id_bound
 
 DEFAULT_FLAVOR = "debugmodel"
 DEFAULT_TOKENIZER = "./assets/tokenizer"

@@ -3,7 +3,7 @@
 `validate_job_config` runs first in the trainer, before the process group, the data loader or
 the model exist, and reports every problem it finds at once (model args x parallelism x data x
 checkpoint), each naming the setting and a fix. It gathers the checks that live next to what
-they protect (`job_config_problems` in model/args.py, `layout_problems` in cp_layout.py,
+they protect (`job_config_problems` in model/job_checks.py, `layout_problems` in cp_layout.py,
 `expert_parallel_problems`, `unsupported_parallelism_problems`, `build_document_source`) and
 adds the ones torchtitan would only hit later: after the model is built (parallel degrees,
 checkpoint paths) or at the very last step (an HF export without `last_save_model_only`).
@@ -224,7 +224,7 @@ def _schedule_problems(job_config) -> list[str]:
 
 
 def _model_problems(job_config, world_size: int = 1) -> list[str]:
-    from titan_gdn.model.args import job_config_problems
+    from titan_gdn.model.job_checks import job_config_problems
     from titan_gdn.parallel.cp_layout import context_parallel_split, layout_problems
     from titan_gdn.parallel.expert_parallel import expert_parallel_problems
     from titan_gdn.parallel.parallelize import cudagraph_problems

@@ -11,6 +11,7 @@ from torchtitan.protocols.model import BaseModelArgs
 from titan_gdn.job_config import setting
 from titan_gdn.model import hf_config
 from titan_gdn.model.flops import count_params_and_flops
+from titan_gdn.model.job_checks import job_config_problems
 from titan_gdn.model.layer_types import FULL_ATTENTION, LAYER_TYPES, LINEAR_ATTENTION
 
 CHUNKED_LOSS_MIN_VOCAB = 32768
@@ -200,52 +201,6 @@ class Qwen35ModelArgs(BaseModelArgs):
         return hf_config.config_fields(self)
 
 
-def job_config_problems(args: Qwen35ModelArgs, job_config, tokenizer=None) -> list[str]:
-    """Why `args` cannot train with `job_config` (and `tokenizer`), as messages that name the
-    setting to change; empty when it can."""
-    problems = []
-    cp = job_config.parallelism.context_parallel_degree
-    if job_config.validation.enable:
-        # torchtitan 0.2.2's Validator reads only its own HF datasets, skips our document
-        # boundaries and shards with its CP load balancer: it would fail mid-run or be wrong.
-        problems.append(
-            "validation.enable = true is not supported yet (torchtitan's validator does not "
-            "use the packed-document loader or the global document boundaries); set "
-            "validation.enable = false"
-        )
-    seq_len = job_config.training.seq_len
-    if seq_len > args.max_seq_len:
-        problems.append(
-            f"training.seq_len = {seq_len} exceeds the model's max_seq_len = "
-            f"{args.max_seq_len}; raise model.max_seq_len to at least {seq_len} (RoPE is "
-            "computed for any position) or lower training.seq_len"
-        )
-    if cp > 1 and seq_len % cp:
-        problems.append(
-            f"training.seq_len = {seq_len} is not divisible by "
-            f"parallelism.context_parallel_degree = {cp}; use a multiple of {cp}"
-        )
-    if tokenizer is not None and tokenizer_id_bound(tokenizer) > args.vocab_size:
-        problems.append(
-            f"the tokenizer in model.hf_assets_path = {job_config.model.hf_assets_path!r} has "
-            f"{tokenizer.get_vocab_size()} tokens with ids up to "
-            f"{tokenizer_id_bound(tokenizer) - 1} but the model's vocab_size is "
-            f"{args.vocab_size}: the tokenizer does not belong to model.flavor = "
-            f"{job_config.model.flavor!r}; use the model's tokenizer or a flavor with a larger "
-            "vocab"
-        )
-    return problems
-
-
-def tokenizer_id_bound(tokenizer) -> int:
-    """One past the largest id `tokenizer` can produce. Ids may be sparse (a special token
-    placed beyond the rest), so the token count alone can understate it."""
-    ids = [tokenizer.get_vocab_size() - 1, tokenizer.eos_id, getattr(tokenizer, "bos_id", None)]
-    if hasattr(tokenizer, "get_vocab"):
-        ids += tokenizer.get_vocab().values()
-    return 1 + max(i for i in ids if i is not None)
-
-
 def _settle_cp_load_balancer(job_config) -> None:
     # TOML has no null and torchtitan rejects "" (config/job_config.py:440), so a config says
     # context_parallel_load_balancer = "none"; torchtitan's CP helpers want None for "do not
@@ -256,9 +211,4 @@ def _settle_cp_load_balancer(job_config) -> None:
         parallelism.context_parallel_load_balancer = None
 
 
-__all__ = [
-    "FULL_ATTENTION",
-    "LINEAR_ATTENTION",
-    "Qwen35ModelArgs",
-    "job_config_problems",
-]
+__all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "Qwen35ModelArgs"]
