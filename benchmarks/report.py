@@ -21,7 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.flop_count import gdn_block_linear_weights
-from titan_gdn.model.args import qwen3_5_args
+from titan_gdn.model.flavors import qwen3_5_args
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "docs" / "results"

@@ -23,7 +23,7 @@ from torchtitan.distributed import ParallelDims
 from tests.conftest import perturbed_debug_model, relative_error
 from tests.distributed import reference_and_rank_logits, run_on_ranks
 from titan_gdn.model import qwen3_5_args
-from titan_gdn.model.args import job_config_problems
+from titan_gdn.model.job_checks import job_config_problems
 from titan_gdn.parallel import parallelize
 from titan_gdn.parallel.context_parallel import context_parallel_problems
 from titan_gdn.parallel.parallelize import parallelize_qwen3_5

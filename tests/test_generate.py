@@ -99,7 +99,8 @@ def test_greedy_cli_is_deterministic_and_matches_the_reference(checkpoints):
 
 
 def test_generated_ids_equal_the_reference_ids(checkpoints):
-    from titan_gdn.generate import generate, load_model, parse_args, prepare
+    from titan_gdn.checkpoint_folders import load_model
+    from titan_gdn.generate import generate, parse_args, prepare
 
     args = parse_args(["--checkpoint", str(checkpoints[20]), "--prompt", PROMPT])
     path, fmt, model_args, tokenizer, prompt_ids = prepare(args)
@@ -170,12 +171,12 @@ def test_missing_checkpoint_fails_in_one_line():
 def test_bad_input_fails_before_any_weight_is_read(
     case, message, checkpoints, tmp_path, capsys, monkeypatch
 ):
-    import titan_gdn.generate as generate
+    import titan_gdn.checkpoint_folders as checkpoint_folders
 
     def not_reached(*args):
         raise AssertionError("weights read despite bad input")
 
-    monkeypatch.setattr(generate, "read_state_dict", not_reached)
+    monkeypatch.setattr(checkpoint_folders, "read_state_dict", not_reached)
     checkpoint, extra = {
         "empty folder": (tmp_path, ()),
         "checkpoint folder": (checkpoints[20].parent, ()),

@@ -53,9 +53,41 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def _outside_the_model_package(graph: dict[str, set[str]]) -> set[str]:
+    """What model args reach beyond `titan_gdn.model`'s own modules and the settings schema
+    (`titan_gdn.job_config`, which imports nothing)."""
+    reached = _reachable(graph, "titan_gdn.model.args")
+    return {m for m in reached if not m.startswith("titan_gdn.model.")} - {"titan_gdn.job_config"}
+
+
 def test_no_import_cycles_between_titan_gdn_modules():
     assert _cycles(_graph()) == []
 
 
 def test_the_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_model_args_import_nothing_from_the_package_above_them():
+    """Model args are data: the flavors, the HF config mapping and the job checks sit beside
+    them in titan_gdn.model; what gathers the checks or builds and runs the model is above."""
+    assert _outside_the_model_package(_graph()) == set()
+
+
+def test_the_check_finds_model_args_reaching_above_the_model_package():
+    graph = {
+        "titan_gdn.model.args": {"titan_gdn.model.job_checks", "titan_gdn.job_config"},
+        "titan_gdn.model.job_checks": {"titan_gdn.validation"},
+    }
+    assert _outside_the_model_package(graph) == {"titan_gdn.validation"}

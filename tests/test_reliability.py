@@ -431,7 +431,7 @@ def _fake_step(folder: Path, step: int, complete: bool, marker: str = ".metadata
 def test_complete_checkpoints_are_those_torchtitan_resumes_from(tmp_path):
     from torchtitan.components.checkpoint import CheckpointManager
 
-    from titan_gdn.validation import checkpoint_steps
+    from titan_gdn.checkpoint_folders import checkpoint_steps
 
     folder = tmp_path / "checkpoint"
     steps = random.Random().sample(range(1, 1000), 5)
@@ -853,7 +853,7 @@ def test_nan_steps_are_skipped_then_training_stops_naming_the_last_checkpoint(tm
     assert sorted(run.steps) == [1, 2, 3, 4], run.steps
     assert {step: run.steps[step][0] for step in (2, 4)} == {2: "nan", 4: "nan"}
 
-    from titan_gdn.validation import checkpoint_steps
+    from titan_gdn.checkpoint_folders import checkpoint_steps
 
     assert checkpoint_steps(dump / "checkpoint") == ([1, 2, 3, 4], [])
     state = {
@@ -915,7 +915,7 @@ def _assert_resumed_like_uninterrupted(dump: Path, resumed: Run, earlier_files, 
 
 
 def test_a_killed_rank_resumes_with_the_uninterrupted_losses_and_data(uninterrupted, tmp_path):
-    from titan_gdn.validation import checkpoint_steps
+    from titan_gdn.checkpoint_folders import checkpoint_steps
 
     dump, killed = tmp_path / "run", []
 
@@ -953,7 +953,7 @@ def test_a_killed_rank_resumes_with_the_uninterrupted_losses_and_data(uninterrup
 def test_a_checkpoint_interrupted_while_written_is_never_resumed_from(uninterrupted, tmp_path):
     from torchtitan.components.checkpoint import CheckpointManager
 
-    from titan_gdn.validation import checkpoint_steps
+    from titan_gdn.checkpoint_folders import checkpoint_steps
 
     dump = tmp_path / "run"
     crashed = _launch(
@@ -1053,7 +1053,7 @@ def test_resume_passes_over_damaged_checkpoints_to_the_newest_intact_one(tmp_pat
 
 def test_a_checkpoint_damaged_in_place_is_skipped_for_the_one_before(uninterrupted, tmp_path):
     from titan_gdn.checkpoint import checkpoint_damage
-    from titan_gdn.validation import checkpoint_steps
+    from titan_gdn.checkpoint_folders import checkpoint_steps
 
     dump = tmp_path / "run"
     first = _launch(dump, *RESUMABLE, "--training.steps", "4", ngpu=2)

@@ -7,7 +7,8 @@ from pathlib import Path
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from scripts.train_tokenizer import CORPUS, TOKENIZER_DIR, train_tokenizer
-from titan_gdn.model.args import qwen3_5_args, tokenizer_id_bound
+from titan_gdn.model.flavors import qwen3_5_args
+from titan_gdn.model.job_checks import tokenizer_id_bound
 
 
 def _bundled() -> HuggingFaceTokenizer:

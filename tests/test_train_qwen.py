@@ -395,7 +395,7 @@ def _job_config(*args: str):
 
 def test_unknown_flavor_is_a_key_error_naming_the_setting():
     from titan_gdn.model import qwen3_5_args
-    from titan_gdn.model.args import UnknownFlavorError
+    from titan_gdn.model.flavors import UnknownFlavorError
 
     assert "debugmodel" in qwen3_5_args and "3B" not in qwen3_5_args
     assert qwen3_5_args.get("3B") is None

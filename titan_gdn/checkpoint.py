@@ -1,7 +1,7 @@
 """Checkpoints verified before they are used.
 
 DCP writes `.metadata` last, so a step folder without it was interrupted while being written
-(`validation.checkpoint_steps`). What `.metadata` cannot show is a file damaged after the save: a
+(`checkpoint_steps`). What `.metadata` cannot show is a file damaged after the save: a
 disk, a copy or a sync tool that zeroes or cuts bytes leaves a folder that loads without an error
 and trains on other weights. So every save records a CRC-32 of each of its data files in
 `checksums.json`, written just before `.metadata` (`ChecksummedWriter`), and a resume checks the
@@ -33,7 +33,7 @@ from torchtitan.components.checkpoint import LR_SCHEDULER, AsyncMode, Checkpoint
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
-from titan_gdn.validation import checkpoint_steps
+from titan_gdn.checkpoint_folders import checkpoint_steps
 
 CHECKSUMS_FILE = "checksums.json"
 # The name under which a rank's checksums travel to the coordinator with its write results;

@@ -14,25 +14,28 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from titan_gdn.model import Qwen35Model, Qwen35ModelArgs, Qwen35StateDictAdapter, qwen3_5_args
-from titan_gdn.model.args import FROM_HF_CONFIG, tokenizer_id_bound
+from titan_gdn.checkpoint_folders import (
+    DCP,
+    HF,
+    dcp_model_keys,
+    hf_model_shapes,
+    load_model,
+    step_format,
+    step_number,
+)
+from titan_gdn.model import Qwen35Model, Qwen35ModelArgs, qwen3_5_args
+from titan_gdn.model.flavors import FROM_HF_CONFIG
+from titan_gdn.model.hf_config import CONFIG_JSON, read_config_json
+from titan_gdn.model.job_checks import tokenizer_id_bound
 
 DEFAULT_FLAVOR = "debugmodel"
 DEFAULT_TOKENIZER = "./assets/tokenizer"
-DCP, HF = "dcp", "hf"
-# Top-level state of a full torchtitan checkpoint besides the model (components/checkpoint.py):
-# the model's own keys sit beside these, flattened (`_flattened_model_states_sd`).
-_TRAINING_STATE = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
-_MODEL_PREFIX = "model."
 
 
 class GenerateError(Exception):
@@ -94,11 +97,10 @@ def checkpoint_format(path: Path) -> str:
     )
     if not path.exists():
         raise GenerateError(f"--checkpoint {path} does not exist; {fix}")
-    if path.is_dir() and (path / ".metadata").is_file():
-        return DCP
-    if path.is_dir() and (path / "config.json").is_file() and _safetensors_files(path):
-        return HF
-    steps = sorted(path.glob("step-*"), key=_step_number) if path.is_dir() else []
+    fmt = step_format(path)
+    if fmt is not None:
+        return fmt
+    steps = sorted(path.glob("step-*"), key=step_number) if path.is_dir() else []
     if steps:
         raise GenerateError(
             f"--checkpoint {path} holds checkpoint steps, not one step; pass one of them, "
@@ -122,21 +124,6 @@ def check_intact(path: Path) -> None:
         )
 
 
-def _step_number(path: Path) -> int:
-    suffix = path.name.removeprefix("step-")
-    return int(suffix) if suffix.isdigit() else -1
-
-
-def _safetensors_files(folder: Path) -> list[Path]:
-    """The weight files of an HF folder: those its index names, else the top-level ones
-    (torchtitan's export also leaves per-rank shards in a `sharded/` subfolder)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / name for name in names]
-    return sorted(folder.glob("*.safetensors"))
-
-
 def tokenizer_folder(option: str | None, checkpoint: Path, fmt: str) -> Path:
     """The --tokenizer folder, else an HF checkpoint's own tokenizer, else the bundled one that
     the debug config trains with."""
@@ -152,20 +139,21 @@ def model_args(flavor: str | None, checkpoint: Path, fmt: str, tokenizer: Path):
     checkpoint holds no config, so the flavor (or config.json beside the tokenizer, for
     from_hf_config, as the trainer reads it from model.hf_assets_path)."""
     if flavor is None and fmt == HF:
-        return _args_from_config(checkpoint / "config.json", "--checkpoint")
+        return _args_from_config(checkpoint, "--checkpoint")
     if flavor == FROM_HF_CONFIG:
-        return _args_from_config(tokenizer / "config.json", "--tokenizer")
+        return _args_from_config(tokenizer, "--tokenizer")
     return copy.deepcopy(qwen3_5_args[flavor or DEFAULT_FLAVOR])
 
 
-def _args_from_config(path: Path, flag: str) -> Qwen35ModelArgs:
+def _args_from_config(folder: Path, flag: str) -> Qwen35ModelArgs:
+    path = folder / CONFIG_JSON
     if not path.is_file():
         raise GenerateError(
             f"--flavor {FROM_HF_CONFIG} reads {path}, which does not exist; point {flag} at the "
             "folder with the model's config.json or pass a named --flavor"
         )
     try:
-        return Qwen35ModelArgs.from_hf_config(json.loads(path.read_text()))
+        return Qwen35ModelArgs.from_hf_config(read_config_json(folder))
     except (KeyError, ValueError) as problem:
         raise GenerateError(
             f"{path} (from {flag}) is not a valid Qwen3.5 config ({problem}); pass a named --flavor"
@@ -194,39 +182,6 @@ def expected_shapes(args: Qwen35ModelArgs) -> dict[str, torch.Size]:
     """The state dict's shapes for `args`, from a model on the meta device (no memory)."""
     with torch.device("meta"):
         return {key: value.shape for key, value in Qwen35Model(args).state_dict().items()}
-
-
-def dcp_model_keys(path: Path) -> dict[str, tuple[str, TensorStorageMetadata]]:
-    """{our key: (key in the checkpoint, its size and dtype)} from a DCP checkpoint's metadata
-    alone. The
-    model's keys are its state_dict keys (possibly under a `model.` prefix); a full
-    checkpoint's optimizer, scheduler, data loader and step state are left out."""
-    import torch.distributed.checkpoint as dcp
-
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    keys = {}
-    for key, meta in metadata.items():
-        if isinstance(meta, TensorStorageMetadata) and not key.startswith(_TRAINING_STATE):
-            keys[key.removeprefix(_MODEL_PREFIX)] = (key, meta)
-    return keys
-
-
-def hf_model_shapes(path: Path, args: Qwen35ModelArgs) -> dict[str, torch.Size]:
-    """Our keys' shapes in an HF folder, from the safetensors headers (no weights read)."""
-    from safetensors import safe_open
-
-    meta = {}
-    for file in _safetensors_files(path):
-        with safe_open(str(file), framework="pt") as weights:
-            for key in weights.keys():
-                shape = weights.get_slice(key).get_shape()
-                meta[key] = torch.empty(shape, device="meta")
-    return {key: value.shape for key, value in _adapter(args).from_hf(meta).items()}
-
-
-def _adapter(args: Qwen35ModelArgs) -> Qwen35StateDictAdapter:
-    # The text layout (`model.*`) is assumed; from_hf reads both it and the multimodal one.
-    return Qwen35StateDictAdapter(args, None)
 
 
 def check_shapes(
@@ -260,44 +215,6 @@ def _fits(flavor: str, found: dict[str, torch.Size]) -> bool:
     if flavor == FROM_HF_CONFIG:
         return False
     return _first_difference(found, expected_shapes(qwen3_5_args[flavor])) is None
-
-
-def read_state_dict(path: Path, fmt: str, args: Qwen35ModelArgs) -> dict[str, torch.Tensor]:
-    """Every model weight, on CPU, with no process group (dcp.load runs without one)."""
-    if fmt == HF:
-        from safetensors.torch import load_file
-
-        hf = {}
-        for file in _safetensors_files(path):
-            hf.update(load_file(file))
-        return _adapter(args).from_hf(hf)
-    import torch.distributed.checkpoint as dcp
-
-    keys = dcp_model_keys(path)
-    stored = {
-        stored_key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for stored_key, meta in keys.values()
-    }
-    with warnings.catch_warnings():
-        # The single-process load is the intent here, not a missing init_process_group.
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(stored, checkpoint_id=str(path))
-    return {ours: stored[stored_key] for ours, (stored_key, _) in keys.items()}
-
-
-def load_model(path: Path, fmt: str, args: Qwen35ModelArgs) -> Qwen35Model:
-    """The model in eval mode with the checkpoint's weights (float32, CPU). Built on the meta
-    device and materialized empty: every parameter is then overwritten, so init is skipped."""
-    with torch.device("meta"):
-        model = Qwen35Model(args)
-    model.to_empty(device="cpu")
-    if args.enable_weight_tying:
-        # to_empty gives each module its own new Parameter, which unties them (as in
-        # Qwen35Model.init_weights).
-        model.output.weight = model.tok_embeddings.weight
-    state_dict = read_state_dict(path, fmt, args)
-    model.load_state_dict({key: value.float() for key, value in state_dict.items()}, strict=True)
-    return model.eval()
 
 
 def next_token(

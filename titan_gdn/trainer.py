@@ -20,6 +20,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from titan_gdn.checkpoint import VerifiedCheckpointManager
+from titan_gdn.checkpoint_folders import HF_INDEX, latest_complete_checkpoint, step_folder
 from titan_gdn.data.vocab_check import check_token_ids
 from titan_gdn.generate import encode_prompt, generate, render
 from titan_gdn.job_config import setting
@@ -27,7 +28,7 @@ from titan_gdn.loss_guard import NonFiniteLossGuard
 from titan_gdn.model import Qwen35Model
 from titan_gdn.parallel.context_parallel import shard_sequence
 from titan_gdn.train_spec import TRAIN_SPEC_NAME
-from titan_gdn.validation import latest_complete_checkpoint, validate_job_config
+from titan_gdn.validation import validate_job_config
 
 MODEL_ARGS_FILE = "model_args.json"
 
@@ -253,9 +254,9 @@ class Qwen35Trainer(Trainer):
             return
         if _rank() != 0:
             return
-        folder = os.path.join(self.checkpointer.folder, f"step-{self.step}")
-        if os.path.isfile(os.path.join(folder, "model.safetensors.index.json")):
-            self.checkpointer.sd_adapter.save_hf_metadata(folder, checkpoint.export_dtype)
+        folder = step_folder(self.checkpointer.folder, self.step)
+        if (folder / HF_INDEX).is_file():
+            self.checkpointer.sd_adapter.save_hf_metadata(str(folder), checkpoint.export_dtype)
 
 
 def _warmup_within_the_run(job_config) -> None:

@@ -3,7 +3,7 @@
 `validate_job_config` runs first in the trainer, before the process group, the data loader or
 the model exist, and reports every problem it finds at once (model args x parallelism x data x
 checkpoint), each naming the setting and a fix. It gathers the checks that live next to what
-they protect (`job_config_problems` in model/args.py, `layout_problems` in cp_layout.py,
+they protect (`job_config_problems` in model/job_checks.py, `layout_problems` in cp_layout.py,
 `expert_parallel_problems`, `unsupported_parallelism_problems`, `build_document_source`) and
 adds the ones torchtitan would only hit later: after the model is built (parallel degrees,
 checkpoint paths) or at the very last step (an HF export without `last_save_model_only`).
@@ -18,17 +18,22 @@ import copy
 import os
 import re
 import sys
-import warnings
 from pathlib import Path
 
 from torchtitan.tools.logging import logger
 
+from titan_gdn.checkpoint_folders import (
+    DCP_METADATA,
+    TRAINING_STATES,
+    checkpoint_folder,
+    checkpoint_steps,
+    safetensors_shapes,
+    saved_data_parallel_ranks,
+    saved_states,
+    step_folder,
+)
 from titan_gdn.job_config import setting
 
-# torchtitan's rule for a loadable step (CheckpointManager._find_load_step): DCP writes
-# `.metadata` last, by an atomic rename, so a folder without it was interrupted mid-write.
-_STEP_FOLDER = re.compile(r"step-(\d+)")
-_COMPLETE_MARKERS = (".metadata", "model.safetensors.index.json")
 _ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 
 
@@ -224,7 +229,7 @@ def _schedule_problems(job_config) -> list[str]:
 
 
 def _model_problems(job_config, world_size: int = 1) -> list[str]:
-    from titan_gdn.model.args import job_config_problems
+    from titan_gdn.model.job_checks import job_config_problems
     from titan_gdn.parallel.cp_layout import context_parallel_split, layout_problems
     from titan_gdn.parallel.expert_parallel import expert_parallel_problems
     from titan_gdn.parallel.parallelize import cudagraph_problems
@@ -259,7 +264,7 @@ def _model_args(job_config):
     """The flavor's args as the trainer will build them (config.json read for
     from_hf_config), without the job-config checks `update_from_config` adds."""
     from titan_gdn.model import qwen3_5_args
-    from titan_gdn.model.args import Qwen35ArgsFromHFConfig
+    from titan_gdn.model.flavors import Qwen35ArgsFromHFConfig
 
     args = copy.deepcopy(qwen3_5_args[job_config.model.flavor])
     if isinstance(args, Qwen35ArgsFromHFConfig):
@@ -280,31 +285,6 @@ def _data_problems(job_config) -> list[str]:
 
 
 # Checkpoints
-
-
-def checkpoint_steps(folder: str | os.PathLike) -> tuple[list[int], list[int]]:
-    """(complete, incomplete) step numbers of the `step-N` folders in `folder`, sorted.
-    Resume loads the largest complete one; an incomplete one was interrupted while written."""
-    complete, incomplete = [], []
-    folder = Path(folder)
-    if not folder.is_dir():
-        return complete, incomplete
-    for entry in folder.iterdir():
-        match = _STEP_FOLDER.fullmatch(entry.name)
-        if match and entry.is_dir():
-            done = any((entry / marker).is_file() for marker in _COMPLETE_MARKERS)
-            (complete if done else incomplete).append(int(match.group(1)))
-    return sorted(complete), sorted(incomplete)
-
-
-def checkpoint_folder(job_config) -> Path:
-    return Path(job_config.job.dump_folder) / job_config.checkpoint.folder
-
-
-def latest_complete_checkpoint(job_config) -> Path | None:
-    """The checkpoint a rerun of this job resumes from, or None."""
-    complete, _ = checkpoint_steps(checkpoint_folder(job_config))
-    return checkpoint_folder(job_config) / f"step-{complete[-1]}" if complete else None
 
 
 def _checkpoint_problems(job_config, world_size: int) -> list[str]:
@@ -379,7 +359,7 @@ def _missing_load_step(job_config, complete: list[int], incomplete: list[int]) -
             "set checkpoint.load_step = -1"
         )
     return (
-        f"checkpoint.load_step = {step} but {folder / f'step-{step}'} {state}; choose one "
+        f"checkpoint.load_step = {step} but {step_folder(folder, step)} {state}; choose one "
         f"of the complete steps {complete}, or -1 for the latest"
     )
 
@@ -456,14 +436,9 @@ def _unused_hf_weight_problems(job_config, source: str, setting_name: str) -> li
 
 
 def _stored_hf_names(folder: Path) -> set[str]:
-    from safetensors import safe_open
-
     from titan_gdn.model.state_dict_adapter import NOT_TEXT
 
-    names = set()
-    for path in folder.glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as weights:
-            names.update(weights.keys())
+    names = safetensors_shapes(folder.glob("*.safetensors"))
     return {name for name in names if not NOT_TEXT.match(name)}  # vision, MTP: not loaded
 
 
@@ -488,7 +463,7 @@ def _resume_problems(job_config, world_size: int, complete: list[int]) -> list[s
     step = complete[-1] if checkpoint.load_step == -1 else checkpoint.load_step
     if step == 0 or checkpoint.create_seed_checkpoint:
         return []  # a seed checkpoint is loaded as model only; a seed run loads nothing
-    folder = checkpoint_folder(job_config) / f"step-{step}"
+    folder = step_folder(checkpoint_folder(job_config), step)
     if 1 <= job_config.training.steps <= step:
         return [_finished_run_problem(job_config, folder, step)]
     model_only = _model_only_problem(checkpoint, folder, [s for s in complete if s < step])
@@ -506,17 +481,13 @@ def _finished_run_problem(job_config, folder: Path, step: int) -> str:
     )
 
 
-# What a resume loads beside the model (torchtitan's CheckpointManager._states_to_load).
-_TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
-
-
 def _model_only_problem(checkpoint, folder: Path, earlier: list[int]) -> str | None:
     """A resume from a checkpoint that holds only the model (`last_save_model_only`, or an HF
     export) fails in torchtitan with a missing key or a missing .metadata."""
-    wanted = [name for name in _TRAINING_STATE if name not in checkpoint.exclude_from_loading]
-    if (folder / ".metadata").is_file():
-        saved = _saved_states(folder)
-        if not wanted or saved is None or saved & set(_TRAINING_STATE):
+    wanted = [name for name in TRAINING_STATES if name not in checkpoint.exclude_from_loading]
+    if (folder / DCP_METADATA).is_file():
+        saved = saved_states(folder)
+        if not wanted or saved is None or saved & set(TRAINING_STATES):
             return None  # unreadable metadata is for the resume's verification to report
         kind, in_hf = "checkpoint.last_save_model_only = true", ""
     else:
@@ -535,24 +506,12 @@ def _model_only_problem(checkpoint, folder: Path, earlier: list[int]) -> str | N
     )
 
 
-def _saved_states(folder: Path) -> set[str] | None:
-    """The top-level names in a DCP checkpoint (model keys and training states), or None when
-    its metadata cannot be read."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    except Exception:  # unpickling errors of every kind
-        return None
-    return {key.split(".", 1)[0] for key in keys}
-
-
 def _data_parallel_rank_problems(job_config, world_size: int, folder: Path) -> list[str]:
     """The data loader's position is saved per data-parallel rank and cannot be resharded
     (torchtitan asserts it once the model is built); compare the rank counts now."""
     if "dataloader" in job_config.checkpoint.exclude_from_loading:
         return []  # the data position is not restored
-    saved = _saved_data_parallel_ranks(folder)
+    saved = saved_data_parallel_ranks(folder)
     parallelism = job_config.parallelism
     ranks = parallelism.data_parallel_replicate_degree * _shard_degree(parallelism, world_size)
     if saved is None or saved == ranks:
@@ -563,21 +522,6 @@ def _data_parallel_rank_problems(job_config, world_size: int, folder: Path) -> l
         'ranks (NGPU x NNODES / parallelism degrees), or add "dataloader" to '
         "checkpoint.exclude_from_loading, or use a new job.dump_folder"
     ]
-
-
-def _saved_data_parallel_ranks(folder: Path) -> int | None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    state = {"dataloader": {"world_size": -1}}
-    try:
-        with warnings.catch_warnings():
-            # Read before the process group exists, on purpose: each rank reads one entry.
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    except (Exception, CheckpointException):  # DCP's own is a BaseException
-        return None
-    return state["dataloader"]["world_size"]
 
 
 def _log_incomplete_checkpoints(job_config) -> None:

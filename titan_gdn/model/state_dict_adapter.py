@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
-from titan_gdn.model.args import NEXT, Qwen35ModelArgs
+from titan_gdn.model.args import Qwen35ModelArgs
+from titan_gdn.model.hf_config import CONFIG_JSON, NEXT, read_config_json
 
 TEXT_PREFIX = "model."
 MULTIMODAL_PREFIX = "model.language_model."
@@ -98,7 +99,7 @@ class Qwen35StateDictAdapter(StateDictAdapter):
         `hf_assets_path` is kept as is, since the weights follow its layout) with `dtype` set to
         the export dtype, and copies the tokenizer files from `hf_assets_path`.
         """
-        source = _read_config(self.hf_assets_path)
+        source = read_config_json(self.hf_assets_path) or {}
         if self.prefix == MULTIMODAL_PREFIX:
             config = dict(source)
         else:
@@ -106,7 +107,7 @@ class Qwen35StateDictAdapter(StateDictAdapter):
             config = {**source, **self.model_args.to_hf_config()}
         config.pop("torch_dtype", None)
         config["dtype"] = dtype
-        with open(os.path.join(folder, "config.json"), "w") as f:
+        with open(os.path.join(folder, CONFIG_JSON), "w") as f:
             json.dump(config, f, indent=2)
         for name in _HF_SIDE_FILES:
             path = os.path.join(self.hf_assets_path or "", name)
@@ -126,58 +127,72 @@ _ATTENTION_OURS = ("qkv_proj", "gate_proj")
 
 def fuse_mixer_projections(state_dict: dict[str, Any], args: Qwen35ModelArgs) -> dict[str, Any]:
     """Our state dict from one in transformers' projection layout (other keys as they are)."""
-    fused = dict(state_dict)
-    for key in state_dict:
-        layer, _, name = key.rpartition(".linear_attn.")
-        if name == f"{_GDN_HF[0]}.weight":
-            prefix = f"{layer}.linear_attn."
-            qkv, b, a = (fused.pop(f"{prefix}{hf}.weight") for hf in _GDN_HF)
-            sections = (*_qkv_sections(qkv, args), b, a)
-            fused[f"{prefix}{_GDN_OURS}.weight"] = _group_major(sections, args.linear_num_key_heads)
-            conv = fused[f"{prefix}conv_weight"]
-            fused[f"{prefix}conv_weight"] = _group_major(
-                _qkv_sections(conv, args), args.linear_num_key_heads
-            )
-        layer, _, name = key.rpartition(".self_attn.")
-        if name == f"{_ATTENTION_HF[0]}.weight":
-            prefix = f"{layer}.self_attn."
-            q_and_gate, k, v = (fused.pop(f"{prefix}{hf}.weight") for hf in _ATTENTION_HF)
-            # Per head, transformers' q_proj rows are its query, then its output gate.
-            q, gate = q_and_gate.unflatten(0, (args.n_heads, 2, -1)).unbind(1)
-            fused[f"{prefix}qkv_proj.weight"] = _group_major(
-                (q.flatten(0, 1), k, v), args.n_kv_heads
-            )
-            fused[f"{prefix}gate_proj.weight"] = gate.flatten(0, 1)
-    return fused
+    return _each_mixer(
+        state_dict, args, gdn=(_GDN_HF[0], _fuse_gdn), attention=(_ATTENTION_HF[0], _fuse_attention)
+    )
 
 
 def split_mixer_projections(state_dict: dict[str, Any], args: Qwen35ModelArgs) -> dict[str, Any]:
     """The inverse of `fuse_mixer_projections`."""
-    split = dict(state_dict)
+    return _each_mixer(
+        state_dict,
+        args,
+        gdn=(_GDN_OURS, _split_gdn),
+        attention=(_ATTENTION_OURS[0], _split_attention),
+    )
+
+
+def _each_mixer(
+    state_dict: dict[str, Any], args: Qwen35ModelArgs, gdn, attention
+) -> dict[str, Any]:
+    """A copy of `state_dict` with each mixer rewritten, layer by layer: `gdn` and `attention`
+    are (the projection that marks such a mixer, the function that rewrites its keys)."""
+    rewritten = dict(state_dict)
     for key in state_dict:
-        layer, _, name = key.rpartition(".linear_attn.")
-        if name == f"{_GDN_OURS}.weight":
-            prefix = f"{layer}.linear_attn."
-            q, k, v, b, a = _sections(
-                split.pop(key), _gdn_group_rows(args), args.linear_num_key_heads
-            )
-            split[f"{prefix}in_proj_qkv.weight"] = torch.cat([q, k, v])
-            split[f"{prefix}in_proj_b.weight"], split[f"{prefix}in_proj_a.weight"] = b, a
-            conv = _sections(
-                split[f"{prefix}conv_weight"], _gdn_group_rows(args)[:3], args.linear_num_key_heads
-            )
-            split[f"{prefix}conv_weight"] = torch.cat(conv)
-        layer, _, name = key.rpartition(".self_attn.")
-        if name == f"{_ATTENTION_OURS[0]}.weight":
-            prefix = f"{layer}.self_attn."
-            head_dim, per_kv = args.head_dim, args.n_heads // args.n_kv_heads
-            rows = [per_kv * head_dim, head_dim, head_dim]
-            q, k, v = _sections(split.pop(key), rows, args.n_kv_heads)
-            gate = split.pop(f"{prefix}gate_proj.weight")
-            heads = [t.unflatten(0, (args.n_heads, head_dim)) for t in (q, gate)]
-            split[f"{prefix}q_proj.weight"] = torch.stack(heads, dim=1).flatten(0, 2)
-            split[f"{prefix}k_proj.weight"], split[f"{prefix}v_proj.weight"] = k, v
-    return split
+        for mixer, (marker, rewrite) in ((".linear_attn.", gdn), (".self_attn.", attention)):
+            layer, _, name = key.rpartition(mixer)
+            if name == f"{marker}.weight":
+                rewrite(rewritten, f"{layer}{mixer}", args)
+    return rewritten
+
+
+def _fuse_gdn(state_dict: dict[str, Any], prefix: str, args: Qwen35ModelArgs) -> None:
+    qkv, b, a = (state_dict.pop(f"{prefix}{hf}.weight") for hf in _GDN_HF)
+    sections = (*_qkv_sections(qkv, args), b, a)
+    state_dict[f"{prefix}{_GDN_OURS}.weight"] = _group_major(sections, args.linear_num_key_heads)
+    conv = _qkv_sections(state_dict[f"{prefix}conv_weight"], args)
+    state_dict[f"{prefix}conv_weight"] = _group_major(conv, args.linear_num_key_heads)
+
+
+def _split_gdn(state_dict: dict[str, Any], prefix: str, args: Qwen35ModelArgs) -> None:
+    rows, groups = _gdn_group_rows(args), args.linear_num_key_heads
+    q, k, v, b, a = _sections(state_dict.pop(f"{prefix}{_GDN_OURS}.weight"), rows, groups)
+    for hf, weight in zip(_GDN_HF, (torch.cat([q, k, v]), b, a), strict=True):
+        state_dict[f"{prefix}{hf}.weight"] = weight
+    conv = _sections(state_dict[f"{prefix}conv_weight"], rows[:3], groups)
+    state_dict[f"{prefix}conv_weight"] = torch.cat(conv)
+
+
+def _fuse_attention(state_dict: dict[str, Any], prefix: str, args: Qwen35ModelArgs) -> None:
+    q_and_gate, k, v = (state_dict.pop(f"{prefix}{hf}.weight") for hf in _ATTENTION_HF)
+    # Per head, transformers' q_proj rows are its query, then its output gate.
+    q, gate = q_and_gate.unflatten(0, (args.n_heads, 2, -1)).unbind(1)
+    qkv_ours, gate_ours = _ATTENTION_OURS
+    qkv = _group_major((q.flatten(0, 1), k, v), args.n_kv_heads)
+    state_dict[f"{prefix}{qkv_ours}.weight"] = qkv
+    state_dict[f"{prefix}{gate_ours}.weight"] = gate.flatten(0, 1)
+
+
+def _split_attention(state_dict: dict[str, Any], prefix: str, args: Qwen35ModelArgs) -> None:
+    head_dim, per_kv = args.head_dim, args.n_heads // args.n_kv_heads
+    qkv_ours, gate_ours = _ATTENTION_OURS
+    rows = [per_kv * head_dim, head_dim, head_dim]
+    q, k, v = _sections(state_dict.pop(f"{prefix}{qkv_ours}.weight"), rows, args.n_kv_heads)
+    gate = state_dict.pop(f"{prefix}{gate_ours}.weight")
+    heads = [t.unflatten(0, (args.n_heads, head_dim)) for t in (q, gate)]
+    q_and_gate = torch.stack(heads, dim=1).flatten(0, 2)
+    for hf, weight in zip(_ATTENTION_HF, (q_and_gate, k, v), strict=True):
+        state_dict[f"{prefix}{hf}.weight"] = weight
 
 
 def _qkv_sections(weight, args: Qwen35ModelArgs) -> list:
@@ -203,14 +218,6 @@ def _sections(weight, group_rows: list[int], groups: int) -> list:
     return [s.flatten(0, 1) for s in per_group]
 
 
-def _read_config(hf_assets_path: str | None) -> dict[str, Any]:
-    path = os.path.join(hf_assets_path or "", "config.json")
-    if not hf_assets_path or not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
 def _strip_prefix(key: str) -> str:
     for prefix in (MULTIMODAL_PREFIX, TEXT_PREFIX):
         if key.startswith(prefix):
@@ -219,7 +226,8 @@ def _strip_prefix(key: str) -> str:
 
 
 def _checkpoint_prefix(hf_assets_path: str | None) -> str:
-    return MULTIMODAL_PREFIX if "text_config" in _read_config(hf_assets_path) else TEXT_PREFIX
+    config = read_config_json(hf_assets_path) or {}
+    return MULTIMODAL_PREFIX if "text_config" in config else TEXT_PREFIX
 
 
 # Qwen3-Next's fused GDN input projections. Per key-head group g, in_proj_qkvz's rows are
