@@ -16,8 +16,6 @@ from benchmarks.report.tables import (
     pct,
     question,
     ratio,
-    sources_of,
-    table,
 )
 from titan_gdn.model.args import qwen3_5_args
 
@@ -50,28 +48,26 @@ def where_time_goes(results: dict, sources: Sources, plots: dict) -> list[str]:
         total = 0.0 if twice else sum(categories.values())
         shares = [pct(categories.get(c, 0.0) / total) if total else None for c in CATEGORY_NAMES]
         exposed = breakdown.get("exposed_comm_ms", {})
-        body.append(
-            [
-                r["flavor"],
-                r["seq_len"],
-                r.get("gpus"),
-                r["cp"],
-                mode(data, r),
-                f"{r['step_time_s'] * 1000:.1f}",
-                ms(breakdown.get("busy_ms")),
-                ms(exposed.get("fsdp")),
-                ms(exposed.get("all_to_all")),
-                *shares,
-                None if twice else pct(gdn_kernel_share(r)),
-                None if twice else pct(gdn_kernel_share(r, layer_only=True)),
-                _syncs_text(breakdown.get("host_syncs")),
-                sources.cite(name),
-            ]
-        )
+        cells = [
+            r["flavor"],
+            r["seq_len"],
+            r.get("gpus"),
+            r["cp"],
+            mode(data, r),
+            f"{r['step_time_s'] * 1000:.1f}",
+            ms(breakdown.get("busy_ms")),
+            ms(exposed.get("fsdp")),
+            ms(exposed.get("all_to_all")),
+            *shares,
+            None if twice else pct(gdn_kernel_share(r)),
+            None if twice else pct(gdn_kernel_share(r, layer_only=True)),
+            _syncs_text(breakdown.get("host_syncs")),
+        ]
+        body.append((name, cells))
     measure = rows[0][2]["breakdown"].get("measure", "kernel time")
     headings = ["flavor", "seq_len", "GPUs", "cp", "checkpointing", "step ms", "busy ms"]
     headings += ["exposed FSDP ms", "exposed a2a ms", *CATEGORY_NAMES.values()]
-    headings += ["GDN block: rule+conv", "GDN layer: rule+conv", "host syncs", "file"]
+    headings += ["GDN block: rule+conv", "GDN layer: rule+conv", "host syncs"]
     intro = [
         f"One profiled step of each configuration's most recent run; share of summed {measure}, "
         "which overlaps across streams. busy: time any kernel runs; exposed: time the "
@@ -85,7 +81,7 @@ def where_time_goes(results: dict, sources: Sources, plots: dict) -> list[str]:
         "busy time is right.",
         "",
     ]
-    return intro + table(headings, body) + sources.listing(sources_of(rows))
+    return intro + sources.table(headings, body)
 
 
 def _syncs_text(syncs: dict | None) -> str | None:
@@ -148,27 +144,25 @@ def delta_rule_kernel(results: dict, sources: Sources, plots: dict) -> list[str]
         ours_ms = (mine or {}).get("breakdown", {}).get("categories_ms", {}).get("delta_rule")
         ceiling = kernel_ceiling_ms(k)
         shape = k["shape"]
-        body.append(
-            [
-                k["flavor"],
-                k["seq_len"],
-                k["cp"],
-                ac_name(k["ac"]),
-                f"{shape['value_heads']}x{shape['key_dim']}",
-                shape["documents"],
-                k.get("backend"),
-                k.get("measure", "wall time"),
-                k.get("forward_ms"),
-                k.get("forward_backward_ms"),
-                ceiling,
-                ours_ms,
-                ratio(ours_ms / ceiling) if ours_ms and ceiling else None,
-                sources.cite(name),
-            ]
-        )
+        cells = [
+            k["flavor"],
+            k["seq_len"],
+            k["cp"],
+            ac_name(k["ac"]),
+            f"{shape['value_heads']}x{shape['key_dim']}",
+            shape["documents"],
+            k.get("backend"),
+            k.get("measure", "wall time"),
+            k.get("forward_ms"),
+            k.get("forward_backward_ms"),
+            ceiling,
+            ours_ms,
+            ratio(ours_ms / ceiling) if ours_ms and ceiling else None,
+        ]
+        body.append((name, cells))
     headings = ["flavor", "seq_len", "cp", "checkpointing", "heads x dim", "documents"]
     headings += ["kernel", "timed as", "fwd ms", "fwd+bwd ms", "ceiling ms/step"]
-    headings += ["ours: delta-rule ms/step", "ours / ceiling", "file"]
+    headings += ["ours: delta-rule ms/step", "ours / ceiling"]
     intro = [
         "The delta-rule kernel alone at each GDN layer's shape on one rank (the ceiling: "
         "forward + backward per GDN layer, and the forward once more where full checkpointing "
@@ -176,7 +170,7 @@ def delta_rule_kernel(results: dict, sources: Sources, plots: dict) -> list[str]
         "wall time also holds FLA's host work per call, so it is only an upper bound there.",
         "",
     ]
-    return intro + table(headings, body) + sources.listing(sources_of(rows))
+    return intro + sources.table(headings, body)
 
 
 def kernel_ceiling_ms(kernel: dict) -> float | None:
@@ -197,12 +191,12 @@ def attention_alone(results: dict, sources: Sources, plots: dict) -> list[str]:
         for r in data["results"]:
             heads = f"{shape['heads']}/{shape['kv_heads']} x {shape['head_dim']}"
             row = [r["tokens"], r["documents"], heads, r["candidate"], r["ms"], r["tflops"]]
-            body.append([*row, sources.cite(name)])
+            body.append((name, row))
     if not body:
         return []
-    body.sort(key=lambda row: (-row[0] if row[1] == 1 else 0, row[1], row[4]))
-    headings = ["tokens", "documents", "heads (q/kv) x dim", "kernel", "fwd+bwd ms"]
-    headings += ["TFLOP/s", "file"]
+    # One-document rows first, longest first; then by documents; each by time.
+    body.sort(key=lambda item: (-item[1][0] if item[1][1] == 1 else 0, item[1][1], item[1][4]))
+    headings = ["tokens", "documents", "heads (q/kv) x dim", "kernel", "fwd+bwd ms", "TFLOP/s"]
     intro = [
         "Document-causal attention of one row, bf16, forward and backward "
         "(`python -m benchmarks.attention`): `titan_gdn` is the training path "
@@ -211,4 +205,4 @@ def attention_alone(results: dict, sources: Sources, plots: dict) -> list[str]:
         "checked against the fp32 dense mask.",
         "",
     ]
-    return intro + table(headings, body) + sources.listing([name for name, _ in files])
+    return intro + sources.table(headings, body, [name for name, _ in files])

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks.report.tables import Sources, loss_text, question, table
+from benchmarks.report.plots import image
+from benchmarks.report.tables import Sources, loss_text, question
 
 
 @question("How long a row fits?")
@@ -13,23 +14,21 @@ def longest_rows(results: dict, sources: Sources, plots: dict) -> list[str]:
     rows = []
     for name, data in files:
         options, result = data["options"], data.get("result", {})
-        rows.append(
-            [
-                options["flavor"],
-                options["cp"],
-                options["ac"],
-                _searched(options),
-                result.get("longest_fit"),
-                result.get("first_oom"),
-                result.get("peak_reserved_gib"),
-                result.get("tokens_per_s_per_gpu"),
-                loss_text(result.get("losses")),
-                "yes" if result.get("complete") else "no",
-                sources.cite(name),
-            ]
-        )
+        cells = [
+            options["flavor"],
+            options["cp"],
+            options["ac"],
+            _searched(options),
+            result.get("longest_fit"),
+            result.get("first_oom"),
+            result.get("peak_reserved_gib"),
+            result.get("tokens_per_s_per_gpu"),
+            loss_text(result.get("losses")),
+            "yes" if result.get("complete") else "no",
+        ]
+        rows.append((name, cells))
     headings = ["flavor", "cp (GPUs)", "AC", "lengths searched", "longest fit", "first OOM"]
-    headings += ["peak reserved GiB", "tokens/s/GPU", "loss first → last", "complete", "file"]
+    headings += ["peak reserved GiB", "tokens/s/GPU", "loss first → last", "complete"]
     intro = [
         "Powers of two, then bisection between the longest fit and the first out-of-memory "
         "length; each trial a few real training steps in a fresh process "
@@ -37,9 +36,7 @@ def longest_rows(results: dict, sources: Sources, plots: dict) -> list[str]:
         "steps are not a throughput measurement.",
         "",
     ]
-    if plots.get("memory"):
-        intro += [f"![peak memory vs sequence length]({plots['memory']})", ""]
-    return intro + table(headings, rows) + sources.listing([name for name, _ in files])
+    return intro + image(plots, "memory") + sources.table(headings, rows)
 
 
 def _searched(options: dict) -> str:

@@ -18,7 +18,6 @@ from benchmarks.report.tables import (
     pct,
     question,
     sources_of,
-    table,
 )
 from benchmarks.report.targets import TARGET_CP_LENGTH_RATIO, bandwidth_share, nearest_probe
 
@@ -38,22 +37,20 @@ def context_parallel(results: dict, sources: Sources, plots: dict) -> list[str]:
     for name, _, r, base in pairs:
         exposed = r.get("breakdown", {}).get("exposed_comm_ms", {})
         ratio = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
-        body.append(
-            [
-                r["flavor"],
-                r["seq_len"],
-                ac_name(r["ac"]),
-                r.get("gpus"),
-                base["tokens_per_s_per_gpu"],
-                r["tokens_per_s_per_gpu"],
-                f"{ratio:.3f}",
-                f"cp={r['cp']}",
-                pct(host_share(r)),
-                ms(exposed.get("all_to_all")),
-                f"{cell(base.get('peak_reserved_gib'))} / {cell(r.get('peak_reserved_gib'))}",
-                sources.cite(name),
-            ]
-        )
+        cells = [
+            r["flavor"],
+            r["seq_len"],
+            ac_name(r["ac"]),
+            r.get("gpus"),
+            base["tokens_per_s_per_gpu"],
+            r["tokens_per_s_per_gpu"],
+            f"{ratio:.3f}",
+            f"cp={r['cp']}",
+            pct(host_share(r)),
+            ms(exposed.get("all_to_all")),
+            f"{cell(base.get('peak_reserved_gib'))} / {cell(r.get('peak_reserved_gib'))}",
+        ]
+        body.append((name, cells))
     lines = [
         "The cost: tokens/s per GPU with the row split over the GPUs (cp=2) against the same "
         "GPUs each training its own rows (cp=1, FSDP), in one run; host share and the "
@@ -64,8 +61,8 @@ def context_parallel(results: dict, sources: Sources, plots: dict) -> list[str]:
     if body:
         headings = ["flavor", "seq_len", "checkpointing", "GPUs", "cp=1 tokens/s/GPU"]
         headings += ["cp tokens/s/GPU", "cp / cp=1", "cp", "cp host", "exposed a2a ms"]
-        headings += ["peak reserved GiB, cp=1 / cp", "file"]
-        lines += table(headings, body) + sources.listing(sources_of(pairs))
+        headings += ["peak reserved GiB, cp=1 / cp"]
+        lines += sources.table(headings, body)
     for text, cited in memory:
         lines += [f"What it buys: {text}.", ""] + sources.listing(cited)
     return lines
@@ -113,29 +110,27 @@ def all_to_alls(results: dict, sources: Sources, plots: dict) -> list[str]:
         probe = data.get("probe", [])
         for size in r["breakdown"]["all_to_all"]["sizes"]:
             match = find(probe, bytes=size["bytes"]) or nearest_probe(probe, size["bytes"])
-            body.append(
-                [
-                    r["flavor"],
-                    r["seq_len"],
-                    r["cp"],
-                    ac_name(r["ac"]),
-                    size["direction"],
-                    mib(size["bytes"]),
-                    size["calls"],
-                    size.get("median_kernel_ms"),
-                    size.get("median_nccl_kernel_ms"),
-                    size.get("median_exchange_ms"),
-                    size.get("exchange_gb_per_s"),
-                    match and match.get("kernel_gb_per_s", match["gb_per_s"]),
-                    pct(bandwidth_share(size, probe)),
-                    sources.cite(name),
-                ]
-            )
+            cells = [
+                r["flavor"],
+                r["seq_len"],
+                r["cp"],
+                ac_name(r["ac"]),
+                size["direction"],
+                mib(size["bytes"]),
+                size["calls"],
+                size.get("median_kernel_ms"),
+                size.get("median_nccl_kernel_ms"),
+                size.get("median_exchange_ms"),
+                size.get("exchange_gb_per_s"),
+                match and match.get("kernel_gb_per_s", match["gb_per_s"]),
+                pct(bandwidth_share(size, probe)),
+            ]
+            body.append((name, cells))
     if not body:
         return []
     headings = ["flavor", "seq_len", "cp", "checkpointing", "direction", "MiB/rank", "calls"]
     headings += ["op ms", "NCCL kernel ms", "exchange ms", "exchange GB/s", "NCCL alone GB/s"]
-    headings += ["share", "file"]
+    headings += ["share"]
     intro = [
         "The mixers' all-to-alls by message size, from the profiled step, medians: `op` is "
         "every kernel of the exchange op on rank 0; `NCCL kernel` rank 0's all-to-all kernel, "
@@ -146,4 +141,4 @@ def all_to_alls(results: dict, sources: Sources, plots: dict) -> list[str]:
         "alone where the exchange was timed, else the op's.",
         "",
     ]
-    return intro + table(headings, body) + sources.listing(sources_of(rows))
+    return intro + sources.table(headings, body, sources_of(rows))

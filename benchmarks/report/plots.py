@@ -9,6 +9,17 @@ from pathlib import Path
 
 from benchmarks.report.tables import flavor_size, is_trainer, ok
 
+# What each plot shows (its image's text).
+DESCRIPTIONS = {
+    "throughput": "tokens/s per GPU vs sequence length",
+    "memory": "peak memory vs sequence length",
+}
+
+
+def image(plots: dict[str, str], kind: str) -> list[str]:
+    """The page's lines that show plot `kind`, where `plots` (`plan_plots`) has it."""
+    return [f"![{DESCRIPTIONS[kind]}]({plots[kind]})", ""] if plots.get(kind) else []
+
 
 def plan_plots(results: dict, doc_path: Path) -> dict[str, str]:
     """The plots the document shows (relative paths), for the kinds that have data."""

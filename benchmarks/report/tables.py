@@ -29,6 +29,13 @@ class Sources:
     def cite(self, name: str) -> str:
         return f"[{self.number[name]}]"
 
+    def table(self, headings: list[str], rows: list[tuple[str, list]], cited=None) -> list[str]:
+        """A table of (file, cells) rows, its last column citing each row's file, then the
+        files it cites (`cited`, default: the rows' files) with the commands that wrote them."""
+        body = [[*cells, self.cite(name)] for name, cells in rows]
+        names = [name for name, _ in rows] if cited is None else cited
+        return table([*headings, "file"], body) + self.listing(names)
+
     def listing(self, names) -> list[str]:
         lines = []
         for name in sorted(set(names), key=self.number.__getitem__):

@@ -20,7 +20,6 @@ from benchmarks.report.tables import (
     pct,
     question,
     ratio,
-    table,
 )
 
 TARGET_SPEEDUP_VS_TRANSFORMERS = 2.0
@@ -49,10 +48,10 @@ def one_gpu_targets(results: dict, sources: Sources, plots: dict) -> list[str]:
     if not points:
         return []
     entries = by_flavor([(n, d, r) for _, n, d, r in points.values()], "seq_len")
-    body = [_one_gpu_row(name, data, r, sources) for name, data, r in entries]
+    body = [(name, _one_gpu_row(data, r)) for name, data, r in entries]
     headings = ["flavor", "seq_len", "checkpointing", "tokens/s", "transformers best"]
     headings += ["ours / theirs", "step ms", "GPU-busy ms", "step / busy", "MFU (documents)"]
-    headings += ["largest kernel shares", "file"]
+    headings += ["largest kernel shares"]
     intro = [
         "The training command on one GPU at each row length, its fastest checkpointing mode of "
         "the run, against transformers + FLA's best mode that fits on the same rows in the "
@@ -64,10 +63,10 @@ def one_gpu_targets(results: dict, sources: Sources, plots: dict) -> list[str]:
         "breakdown question.",
         "",
     ]
-    return intro + table(headings, body) + sources.listing([name for name, _, _ in entries])
+    return intro + sources.table(headings, body)
 
 
-def _one_gpu_row(name: str, data: dict, r: dict, sources: Sources) -> list:
+def _one_gpu_row(data: dict, r: dict) -> list:
     fits = ok(transformers_for(data["transformers"], r))
     if fits:
         best = max(fits, key=lambda t: t["tokens_per_s_per_gpu"])
@@ -95,7 +94,6 @@ def _one_gpu_row(name: str, data: dict, r: dict, sources: Sources) -> list:
         f"{step_over_busy(r):.3f}",
         pct(r.get("mfu_documents")),
         shares,
-        sources.cite(name),
     ]
 
 
@@ -111,7 +109,7 @@ def targets_met(results: dict, sources: Sources, plots: dict) -> list[str]:
     if not latest:
         return []
     entries = sorted(latest.values(), key=lambda entry: (entry[2][0], _natural(entry[2][1])))
-    body = [[*row, sources.cite(name)] for _, name, row in entries]
+    body = [(name, row) for _, name, row in entries]
     intro = [
         f"From each configuration's most recent run: our tokens/s at cp=1 against transformers "
         f"+ FLA's best mode that fits (>= {TARGET_SPEEDUP_VS_TRANSFORMERS}x; met where none of "
@@ -125,8 +123,7 @@ def targets_met(results: dict, sources: Sources, plots: dict) -> list[str]:
         f"delta rule and conv. The longest row with cp is under the context-parallel question.",
         "",
     ]
-    table_lines = table(["target", "configuration", "value", "met", "file"], body)
-    return intro + table_lines + sources.listing([name for _, name, _ in entries])
+    return intro + sources.table(["target", "configuration", "value", "met"], body)
 
 
 def _natural(text: str) -> list:

@@ -3,6 +3,7 @@ length, and in the GPU validation's training runs."""
 
 from __future__ import annotations
 
+from benchmarks.report.plots import image
 from benchmarks.report.tables import (
     Sources,
     ac_name,
@@ -21,9 +22,7 @@ from benchmarks.report.tables import (
     question,
     ratio,
     seconds,
-    sources_of,
     status_or,
-    table,
 )
 
 
@@ -37,26 +36,23 @@ def training_command(results: dict, sources: Sources, plots: dict) -> list[str]:
     body = []
     for name, data, r in rows:
         changed = overrides(data)
-        body.append(
-            [
-                r["flavor"],
-                r["seq_len"],
-                ac_name(r["ac"]),
-                f"`{r['config']}`" if r.get("config") else None,
-                f"`{changed}`" if changed else None,
-                r["status"],
-                seconds(r.get("step_time_s")),
-                pct(host_share(r)),
-                r.get("tokens_per_s_per_gpu"),
-                pct(r.get("mfu")),
-                r.get("peak_reserved_gib"),
-                loss_text(r.get("losses")),
-                sources.cite(name),
-            ]
-        )
+        cells = [
+            r["flavor"],
+            r["seq_len"],
+            ac_name(r["ac"]),
+            f"`{r['config']}`" if r.get("config") else None,
+            f"`{changed}`" if changed else None,
+            r["status"],
+            seconds(r.get("step_time_s")),
+            pct(host_share(r)),
+            r.get("tokens_per_s_per_gpu"),
+            pct(r.get("mfu")),
+            r.get("peak_reserved_gib"),
+            loss_text(r.get("losses")),
+        ]
+        body.append((name, cells))
     headings = ["flavor", "seq_len", "checkpointing", "config", "overrides", "status"]
-    headings += ["step (s)", "host", "tokens/s", "MFU", "peak reserved GiB"]
-    headings += ["loss first → last", "file"]
+    headings += ["step (s)", "host", "tokens/s", "MFU", "peak reserved GiB", "loss first → last"]
     intro = [
         "`run_train.sh`'s trainer (`Qwen35Trainer` from the shipped TOML config, compiled as "
         "the config says, no checkpoint saving; the benchmark sets the length and the "
@@ -68,12 +64,12 @@ def training_command(results: dict, sources: Sources, plots: dict) -> list[str]:
         "`docs/results/training_command/README.md` says what each file ran.",
         "",
     ]
-    return intro + table(headings, body) + sources.listing(sources_of(rows))
+    return intro + sources.table(headings, body)
 
 
 @question("How does titan_gdn compare with transformers + FLA?")
 def against_transformers(results: dict, sources: Sources, plots: dict) -> list[str]:
-    rows, cited = [], []
+    rows = []
     for name, data in results.get("throughput", []):
         theirs = data.get("transformers", [])
         for flavor, seq_len in dict.fromkeys((t["flavor"], t["seq_len"]) for t in theirs):
@@ -90,29 +86,30 @@ def against_transformers(results: dict, sources: Sources, plots: dict) -> list[s
             finished = [t["tokens_per_s_per_gpu"] for t in ok([plain or {}, checkpointed or {}])]
             speedup = best["tokens_per_s_per_gpu"] / max(finished) if finished else None
             rows.append((name, data, best, plain, checkpointed, speedup))
-            cited.append(name)
     if not rows:
         return []
     rows = by_flavor(rows, "seq_len")
     body = [
-        [
-            best["flavor"],
-            best["seq_len"],
-            f"{mode(data, best)}, {best['gpus']} GPU{'s' * (best['gpus'] > 1)}, {harness(best)}",
-            best["tokens_per_s_per_gpu"],
-            best.get("peak_reserved_gib"),
-            status_or(plain, "tokens_per_s_per_gpu"),
-            status_or(plain, "peak_reserved_gib"),
-            status_or(checkpointed, "tokens_per_s_per_gpu"),
-            status_or(checkpointed, "peak_reserved_gib"),
-            ratio(speedup),
-            sources.cite(name),
-        ]
+        (
+            name,
+            [
+                best["flavor"],
+                best["seq_len"],
+                _setup(data, best),
+                best["tokens_per_s_per_gpu"],
+                best.get("peak_reserved_gib"),
+                status_or(plain, "tokens_per_s_per_gpu"),
+                status_or(plain, "peak_reserved_gib"),
+                status_or(checkpointed, "tokens_per_s_per_gpu"),
+                status_or(checkpointed, "peak_reserved_gib"),
+                ratio(speedup),
+            ],
+        )
         for name, data, best, plain, checkpointed, speedup in rows
     ]
     headings = ["flavor", "seq_len", "ours: checkpointing, GPUs, step", "ours tokens/s/GPU"]
     headings += ["ours GiB", "transformers tokens/s", "GiB", "transformers, checkpointing"]
-    headings += ["GiB", "ours / theirs (best)", "file"]
+    headings += ["GiB", "ours / theirs (best)"]
     intro = [
         "transformers `Qwen3_5ForCausalLM` on the same rows (one GPU, bf16 weights and AdamW, "
         "eager, FLA's delta rule, its full-logits loss; rows as plain sequences, without "
@@ -122,7 +119,13 @@ def against_transformers(results: dict, sources: Sources, plots: dict) -> list[s
         "rebuilt from the model. GiB: peak reserved.",
         "",
     ]
-    return intro + table(headings, body) + sources.listing(cited)
+    return intro + sources.table(headings, body)
+
+
+def _setup(data: dict, result: dict) -> str:
+    """Checkpointing, GPUs and whether the training command or a rebuilt step ran."""
+    gpus = result["gpus"]
+    return f"{mode(data, result)}, {gpus} GPU{'s' * (gpus > 1)}, {harness(result)}"
 
 
 @question("How does throughput change with the row length?")
@@ -133,30 +136,32 @@ def throughput_by_length(results: dict, sources: Sources, plots: dict) -> list[s
         return []
     rows = by_flavor(rows, "seq_len", "gpus", "cp", "ac")
     body = [
-        [
-            r["flavor"],
-            r["seq_len"],
-            r.get("gpus"),
-            r["cp"],
-            r.get("dp"),
-            mode(data, r),
-            harness(r),
-            r["status"],
-            r.get("documents_per_row"),
-            seconds(r.get("step_time_s")),
-            pct(host_share(r)),
-            r.get("tokens_per_s_per_gpu"),
-            pct(r.get("mfu")),
-            pct(r.get("mfu_documents")),
-            r.get("peak_reserved_gib"),
-            r.get("peak_active_gib"),
-            sources.cite(name),
-        ]
+        (
+            name,
+            [
+                r["flavor"],
+                r["seq_len"],
+                r.get("gpus"),
+                r["cp"],
+                r.get("dp"),
+                mode(data, r),
+                harness(r),
+                r["status"],
+                r.get("documents_per_row"),
+                seconds(r.get("step_time_s")),
+                pct(host_share(r)),
+                r.get("tokens_per_s_per_gpu"),
+                pct(r.get("mfu")),
+                pct(r.get("mfu_documents")),
+                r.get("peak_reserved_gib"),
+                r.get("peak_active_gib"),
+            ],
+        )
         for name, data, r in rows
     ]
     headings = ["flavor", "seq_len", "GPUs", "cp", "dp", "checkpointing", "step", "status"]
     headings += ["docs/row", "step (s)", "host", "tokens/s/GPU", "MFU", "MFU (documents)"]
-    headings += ["peak reserved GiB", "peak active GiB", "file"]
+    headings += ["peak reserved GiB", "peak active GiB"]
     intro = [
         "Every configuration measured, from its most recent file. Median of the timed steps "
         "(warm-up excluded), slowest rank; tokens/s per GPU counts every rank's tokens. cp=1 "
@@ -169,9 +174,7 @@ def throughput_by_length(results: dict, sources: Sources, plots: dict) -> list[s
         "step time; near 100%, the GPU waited for the host's launches.",
         "",
     ]
-    if plots.get("throughput"):
-        intro += [f"![tokens/s per GPU vs sequence length]({plots['throughput']})", ""]
-    return intro + table(headings, body) + sources.listing(sources_of(rows))
+    return intro + image(plots, "throughput") + sources.table(headings, body)
 
 
 @question("What do the training runs show?")
@@ -180,14 +183,16 @@ def training_runs(results: dict, sources: Sources, plots: dict) -> list[str]:
     if not files:
         return []
     rows = [
-        [
-            r.get("run"),
-            r.get("steps"),
-            loss_text([r["first_loss"], r["last_loss"]]) if "first_loss" in r else None,
-            r.get("median_tps_per_gpu"),
-            r.get("peak_memory_gib"),
-            sources.cite(name),
-        ]
+        (
+            name,
+            [
+                r.get("run"),
+                r.get("steps"),
+                loss_text([r["first_loss"], r["last_loss"]]) if "first_loss" in r else None,
+                r.get("median_tps_per_gpu"),
+                r.get("peak_memory_gib"),
+            ],
+        )
         for name, data in files
         for r in data["runs"]
     ]
@@ -197,5 +202,5 @@ def training_runs(results: dict, sources: Sources, plots: dict) -> list[str]:
         "summarized by `scripts/summarize_runs.py` from rank 0's log.",
         "",
     ]
-    headings = ["run", "steps", "loss first → last", "tokens/s/GPU", "peak GiB", "file"]
-    return intro + table(headings, rows) + sources.listing([name for name, _ in files])
+    headings = ["run", "steps", "loss first → last", "tokens/s/GPU", "peak GiB"]
+    return intro + sources.table(headings, rows, [name for name, _ in files])
