@@ -26,7 +26,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from titan_gdn.ops.custom_op import OUTSIDE_CUDA_GRAPHS
-from titan_gdn.ops.delta_rule.fla_op import CHUNK_SIZE, _on_device, load_fla_kernels
+from titan_gdn.ops.delta_rule.fla_op import (
+    CHUNK_SIZE,
+    _on_device,
+    fake_input_grads,
+    fake_output_and_residuals,
+    load_fla_kernels,
+    register_autograd_with_residuals,
+)
 from titan_gdn.ops.local_memory import release_after_first_use
 
 
@@ -145,17 +152,8 @@ def gated_delta_rule_fla_cp(
 @gated_delta_rule_fla_cp.register_fake
 def _(q, k, v, g, beta, cu_seqlens, rows, group_name, scale):
     value_heads, key_dim, value_dim = v.shape[2], k.shape[3], v.shape[3]
-    return (
-        v.new_empty(v.shape),
-        q.new_empty(q.shape),
-        q.new_empty(q.shape[:-1], dtype=torch.float32),
-        k.new_empty(k.shape),
-        k.new_empty(k.shape[:-1], dtype=torch.float32),
-        v.new_empty(v.shape),
-        g.new_empty(g.shape, dtype=torch.float32),
-        k.new_empty((*beta.shape, CHUNK_SIZE)),
-        v.new_empty((rows, value_heads, key_dim, value_dim), dtype=torch.float32),
-    )
+    entering = v.new_empty((rows, value_heads, key_dim, value_dim), dtype=torch.float32)
+    return (*fake_output_and_residuals(q, k, v, g, beta), entering)
 
 
 @torch.library.custom_op(
@@ -218,22 +216,7 @@ def gated_delta_rule_fla_cp_backward(
 
 @gated_delta_rule_fla_cp_backward.register_fake
 def _(grad_o, q, q_rstd, k, k_rstd, v, g_cumsum, A, entering, beta, cu_seqlens, rows, group, scale):
-    return tuple(x.new_empty(x.shape) for x in (q, k, v, g_cumsum, beta))
+    return fake_input_grads(q, k, v, g_cumsum, beta)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, rows, group_name, scale = inputs
-    residuals = output[1:]
-    ctx.mark_non_differentiable(*residuals)
-    ctx.save_for_backward(*residuals, beta, cu_seqlens)
-    ctx.constants = (rows, group_name, scale)
-    ctx.input_dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
-
-
-def _backward(ctx, grad_o, *residual_grads):
-    grads = gated_delta_rule_fla_cp_backward(grad_o, *ctx.saved_tensors, *ctx.constants)
-    grads = [grad.to(dtype) for grad, dtype in zip(grads, ctx.input_dtypes, strict=True)]
-    return *grads, None, None, None, None
-
-
-gated_delta_rule_fla_cp.register_autograd(_backward, setup_context=_setup_context)
+register_autograd_with_residuals(gated_delta_rule_fla_cp, gated_delta_rule_fla_cp_backward)

@@ -108,8 +108,12 @@ def gated_delta_rule_fla(
 
 @gated_delta_rule_fla.register_fake
 def _(q, k, v, g, beta, cu_seqlens, scale):
-    # FLA's dtypes: normalised q/k keep theirs, norms and the cumulative decay are fp32, A
-    # takes k's.
+    return fake_output_and_residuals(q, k, v, g, beta)
+
+
+def fake_output_and_residuals(q, k, v, g, beta) -> tuple[Tensor, ...]:
+    """Empty o, q, q_rstd, k, k_rstd, v, g_cumsum, A as FLA's forward returns them: normalised
+    q and k keep their dtypes, the norms and the cumulative decay are fp32, A takes k's."""
     return (
         v.new_empty(v.shape),
         q.new_empty(q.shape),
@@ -166,25 +170,36 @@ def gated_delta_rule_fla_backward(
 
 @gated_delta_rule_fla_backward.register_fake
 def _(grad_o, q, q_rstd, k, k_rstd, v, g_cumsum, A, beta, cu_seqlens, scale):
+    return fake_input_grads(q, k, v, g_cumsum, beta)
+
+
+def fake_input_grads(q, k, v, g_cumsum, beta) -> tuple[Tensor, ...]:
     return tuple(x.new_empty(x.shape) for x in (q, k, v, g_cumsum, beta))
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, scale = inputs
-    residuals = output[1:]
-    ctx.mark_non_differentiable(*residuals)
-    ctx.save_for_backward(*residuals, beta, cu_seqlens)
-    ctx.scale = scale
-    ctx.input_dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+def register_autograd_with_residuals(forward_op, backward_op) -> None:
+    """Make `forward_op(q, k, v, g, beta, cu_seqlens, *constants) -> (o, *residuals)`
+    differentiable by `backward_op(grad_o, *residuals, beta, cu_seqlens, *constants)`, which
+    returns the gradients of q, k, v, g and beta: the residuals, beta and cu_seqlens are
+    saved, the constants kept, and the gradients given the inputs' dtypes."""
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, g, beta, cu_seqlens, *constants = inputs
+        residuals = output[1:]
+        ctx.mark_non_differentiable(*residuals)
+        ctx.save_for_backward(*residuals, beta, cu_seqlens)
+        ctx.constants = constants
+        ctx.input_dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+
+    def backward(ctx, grad_o, *residual_grads):
+        grads = backward_op(grad_o, *ctx.saved_tensors, *ctx.constants)
+        grads = [grad.to(dtype) for grad, dtype in zip(grads, ctx.input_dtypes, strict=True)]
+        return *grads, None, *[None] * len(ctx.constants)  # none for cu_seqlens, constants
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
 
 
-def _backward(ctx, grad_o, *residual_grads):
-    grads = gated_delta_rule_fla_backward(grad_o, *ctx.saved_tensors, ctx.scale)
-    grads = [grad.to(dtype) for grad, dtype in zip(grads, ctx.input_dtypes, strict=True)]
-    return *grads, None, None
-
-
-gated_delta_rule_fla.register_autograd(_backward, setup_context=_setup_context)
+register_autograd_with_residuals(gated_delta_rule_fla, gated_delta_rule_fla_backward)
 
 
 def _on_device(x: Tensor):
