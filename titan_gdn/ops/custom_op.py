@@ -57,7 +57,7 @@ def input_saving_op(
         release_after_first_use(name, *args[:num_differentiable])
         return output
 
-    forward = _register(name, forward_impl, f"{arguments} -> Tensor")
+    forward = register_op(name, forward_impl, f"{arguments} -> Tensor")
 
     @forward.register_fake
     def _(*args):
@@ -74,7 +74,7 @@ def input_saving_op(
         return [g.contiguous() for g in grads]
 
     backward_arguments = f"(Tensor grad, {arguments.removeprefix('(')}"
-    backward = _register(f"{name}_backward", backward_impl, f"{backward_arguments} -> Tensor[]")
+    backward = register_op(f"{name}_backward", backward_impl, f"{backward_arguments} -> Tensor[]")
 
     @backward.register_fake
     def _(grad, *args):
@@ -95,7 +95,7 @@ def input_saving_op(
     return forward
 
 
-def _register(name: str, fn: Callable, schema: str):
+def register_op(name: str, fn: Callable, schema: str):
     """`fn` as the custom op `titan_gdn::name` of `schema`, kept out of CUDA graphs."""
     return torch.library.custom_op(
         f"{NAMESPACE}::{name}", fn, mutates_args=(), schema=schema, tags=OUTSIDE_CUDA_GRAPHS
