@@ -26,12 +26,21 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from titan_gdn.ops.custom_op import OUTSIDE_CUDA_GRAPHS
+from titan_gdn.ops.custom_op import register_op
 from titan_gdn.ops.documents import FLA_CHUNK_SIZE, cached_documents_and_chunks
 from titan_gdn.ops.local_memory import release_after_first_use
 
 # FLA's default chunk size for the gated delta rule; A is [1, T, Hv, CHUNK_SIZE].
 CHUNK_SIZE = FLA_CHUNK_SIZE
+# The ops' schemas: a forward op's inputs, and the residuals that FLA's forward leaves for its
+# backward (outputs of the forward ops after o, inputs of the backward ops after grad_o).
+INPUTS = "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens"
+RESIDUALS = "Tensor q, Tensor q_rstd, Tensor k, Tensor k_rstd, Tensor v, Tensor g_cumsum, Tensor A"
+
+
+def tensors(count: int) -> str:
+    """A schema's `count` tensor outputs."""
+    return f"({', '.join(['Tensor'] * count)})"
 
 
 class FlaKernels(NamedTuple):
@@ -68,12 +77,7 @@ def fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale: float | None) -> T
     return gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens, scale)[0]
 
 
-@torch.library.custom_op(
-    "titan_gdn::gated_delta_rule_fla", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS
-)
-def gated_delta_rule_fla(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, scale: float
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens, scale):
     """o and the residuals (q, q_rstd, k, k_rstd, v, g_cumsum, A) that the backward takes."""
     fla = load_fla_kernels()
     # FLA types cu_seqlens as LongTensor, but every kernel casts what it loads, and int32 is
@@ -106,6 +110,11 @@ def gated_delta_rule_fla(
     return o.to(q.dtype).to(v.dtype), q_unit, q_rstd, k_unit, k_rstd, v_saved, g_cumsum, A
 
 
+gated_delta_rule_fla = register_op(
+    "gated_delta_rule_fla", _gated_delta_rule_fla, f"({INPUTS}, float scale) -> {tensors(8)}"
+)
+
+
 @gated_delta_rule_fla.register_fake
 def _(q, k, v, g, beta, cu_seqlens, scale):
     return fake_output_and_residuals(q, k, v, g, beta)
@@ -126,22 +135,9 @@ def fake_output_and_residuals(q, k, v, g, beta) -> tuple[Tensor, ...]:
     )
 
 
-@torch.library.custom_op(
-    "titan_gdn::gated_delta_rule_fla_backward", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS
-)
-def gated_delta_rule_fla_backward(
-    grad_o: Tensor,
-    q: Tensor,
-    q_rstd: Tensor,
-    k: Tensor,
-    k_rstd: Tensor,
-    v: Tensor,
-    g_cumsum: Tensor,
-    A: Tensor,
-    beta: Tensor,
-    cu_seqlens: Tensor,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _gated_delta_rule_fla_backward(
+    grad_o, q, q_rstd, k, k_rstd, v, g_cumsum, A, beta, cu_seqlens, scale
+):
     """Gradients for q, k, v, g, beta from the forward's residuals, in their dtypes (dg fp32)."""
     fla = load_fla_kernels()
     cu_seqlens, chunk_indices = cached_documents_and_chunks()(cu_seqlens)
@@ -166,6 +162,13 @@ def gated_delta_rule_fla_backward(
     release_after_first_use("gated_delta_rule_fla_backward", q, v)
     grads = (dq, dk, dv, dg, dbeta)
     return tuple(grad.to(x.dtype) for grad, x in zip(grads, (q, k, v, g_cumsum, beta), strict=True))
+
+
+gated_delta_rule_fla_backward = register_op(
+    "gated_delta_rule_fla_backward",
+    _gated_delta_rule_fla_backward,
+    f"(Tensor grad_o, {RESIDUALS}, Tensor beta, Tensor cu_seqlens, float scale) -> {tensors(5)}",
+)
 
 
 @gated_delta_rule_fla_backward.register_fake
