@@ -24,6 +24,9 @@ from collections import defaultdict
 from torch.autograd import DeviceType
 from torch.autograd.profiler import record_function
 
+from benchmarks.intervals import length, merged, uncovered
+from benchmarks.trace_events import STEP_PHASES
+
 CATEGORIES = (
     "delta_rule",
     "conv",
@@ -205,7 +208,6 @@ _SYNCS = (
     "cudaEventSynchronize",
     "aten::_local_scalar_dense",
 )
-_PHASES = ("bench::documents", "bench::forward", "bench::loss", "bench::clip_grad_norm")
 
 
 def _host_syncs(cpu_ops, chains: _Chains) -> dict:
@@ -227,7 +229,7 @@ def _phase(chain) -> str:
     if _in_backward(chain):
         return "backward"
     names = [e.name for e in chain]
-    phase = next((p for p in _PHASES if p in names), None)
+    phase = next((p for p in STEP_PHASES if p in names), None)
     if phase is None:
         return "optimizer" if any(n.startswith("Optimizer.") for n in names) else "other"
     return phase.removeprefix("bench::")
@@ -332,7 +334,7 @@ def _self_time_samples(cpu_ops):
 
 
 def _union_us(events) -> float:
-    return _length(_merged(device_work(events)))
+    return length(_merged(device_work(events)))
 
 
 # NCCL's kernels by what they run; any other device work is compute (copies included).
@@ -351,35 +353,13 @@ def _exposed_comm_ms(events) -> dict[str, float]:
     exposed = {}
     for kind, parts in _COMM_KERNELS.items():
         comm = _merged([e for e in work if any(p in e.name for p in parts)])
-        exposed[kind] = round(_length(comm) / 1000 - _overlap(comm, compute) / 1000, 3)
+        alone = [part for stretch in comm for part in uncovered(compute, *stretch)]
+        exposed[kind] = round(length(alone) / 1000, 3)
     return exposed
 
 
 def _merged(events) -> list[tuple[float, float]]:
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in events)
-    merged: list[tuple[float, float]] = []
-    for start, stop in intervals:
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
-        else:
-            merged.append((start, stop))
-    return merged
-
-
-def _length(intervals) -> float:
-    return sum(stop - start for start, stop in intervals)
-
-
-def _overlap(a, b) -> float:
-    """Length of the intersection of two sorted lists of disjoint intervals."""
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
+    return merged((e.time_range.start, e.time_range.end) for e in events)
 
 
 def exchange_kernels(events, trace_start_us: float) -> list[tuple[float, float]]:

@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import report, throughput
+from benchmarks import throughput
 from benchmarks.breakdown import categorize
 from benchmarks.common import guarded
 from benchmarks.memory import find_longest
+from benchmarks.report import kernels, page, plots, tables, targets, training
 from tests.conftest import copy_checkout
+from titan_gdn.model.flavors import qwen3_5_args
 
 # One step per stage and eager blocks keep this under a minute on two cores; compiled blocks
 # are what tests/test_compile.py checks.
@@ -123,7 +125,7 @@ def test_memory_json_reports_the_longest_fit(results):
 
 def test_report_renders_tables_and_plots(results, tmp_path):
     doc = tmp_path / "performance.md"
-    assert report.main(["--results", str(results), "--out", str(doc)]) == 0
+    assert page.main(["--results", str(results), "--out", str(doc)]) == 0
     text = doc.read_text()
     assert "| debugmodel | 64 | 2 | 2 | 1 |" in text  # the cp=2 row of the throughput table
     assert "transformers `Qwen3_5ForCausalLM`" in text and "NCCL `all_to_all_single`" in text
@@ -133,7 +135,7 @@ def test_report_renders_tables_and_plots(results, tmp_path):
     assert "## How does titan_gdn compare with transformers + FLA?" in text
     assert "## How long a row fits?" in text and "`docs/results/memory.json`: `" in text
     assert "--out docs/results/throughput.json" in text
-    assert report.main(["--results", str(results), "--out", str(doc), "--check"]) == 0
+    assert page.main(["--results", str(results), "--out", str(doc), "--check"]) == 0
     # Without checkpointing each mixer's backward sends one all-to-all per direction.
     expected_row = "| debugmodel 64 cp=2 ac=none | 2 forward, 2 backward | yes |"
     assert f"| one all-to-all per direction {expected_row}" in text
@@ -149,7 +151,7 @@ def test_all_to_all_target_counts_the_forwards_that_full_checkpointing_recompute
     def row(ac, forward, backward):
         a2a = {"forward_per_mixer": forward, "backward_per_mixer": backward, "sizes": []}
         result = {"flavor": "2B", "seq_len": 8, "cp": 2, "ac": ac, "breakdown": {"all_to_all": a2a}}
-        (target,) = report._all_to_all_rows([result], probe=[])
+        (target,) = targets.all_to_all_rows([result], probe=[])
         return target[-1]
 
     assert row("none", 2, 2) == "yes" and row("selective:op", 2, 2) == "yes"
@@ -159,7 +161,7 @@ def test_all_to_all_target_counts_the_forwards_that_full_checkpointing_recompute
 
 
 def test_gdn_layer_share_leaves_out_the_mlps_share_of_the_block_gemms():
-    a = report.qwen3_5_args["2B"]
+    a = qwen3_5_args["2B"]
     key_dim = a.linear_num_key_heads * a.linear_key_head_dim
     value_dim = a.linear_num_value_heads * a.linear_value_head_dim
     # in_proj_qkv, in_proj_z, in_proj_a and in_proj_b, out_proj; the MLP's three matrices.
@@ -171,10 +173,10 @@ def test_gdn_layer_share_leaves_out_the_mlps_share_of_the_block_gemms():
     mlp = 3 * a.dim * a.hidden_dim
     block_ms = {"delta_rule": 30.0, "conv": 10.0, "gemm": 100.0, "other": 10.0, "fsdp": 50.0}
     result = {"flavor": "2B", "breakdown": {"layers_ms": {"linear_attention": block_ms}}}
-    assert report.gdn_kernel_share(result) == pytest.approx(40 / 150)
+    assert kernels.gdn_kernel_share(result) == pytest.approx(40 / 150)
     layer_gemm_ms = 100.0 * layer / (layer + mlp)
     expected = 40 / (50 + layer_gemm_ms)
-    assert report.gdn_kernel_share(result, layer_only=True) == pytest.approx(expected)
+    assert kernels.gdn_kernel_share(result, layer_only=True) == pytest.approx(expected)
 
 
 def test_throughput_plot_joins_a_configuration_across_runs_and_keeps_the_latest():
@@ -192,7 +194,7 @@ def test_throughput_plot_joins_a_configuration_across_runs_and_keeps_the_latest(
         ("a.json", run("2026-11-30 01:00 UTC", [ours(16, 1.0), ours(64, 4.0)])),
         ("c.json", run("2026-11-29 23:00 UTC", [], [{**theirs, "tokens_per_s_per_gpu": 5.0}])),
     ]
-    series = report.throughput_series({"throughput": files})
+    series = plots.throughput_series({"throughput": files})
     assert series == {
         "2B": {
             "ours cp=1, 1 GPU, ac=full": [(16, 2.0), (64, 4.0)],
@@ -216,35 +218,35 @@ def test_a_run_with_overrides_is_its_own_configuration_in_every_table():
         ("older.json", run("2026-11-30 00:00 UTC", 0.200)),
     ]
     results = {"throughput": files}
-    sources = report.Sources(results)
-    targets = "\n".join(report._targets_section(results, sources, {}))
-    assert "| 2B 16 cp=1 ac=none | 1.200 (120.0 / 100.0 ms) | no (20% over busy) |" in targets
+    sources = tables.Sources(results)
+    met = "\n".join(targets.targets_met(results, sources, {}))
+    assert "| 2B 16 cp=1 ac=none | 1.200 (120.0 / 100.0 ms) | no (20% over busy) |" in met
     graphs_row = "| 2B 16 cp=1 ac=none `--compile.cudagraphs` | 1.040 (104.0 / 100.0 ms) | yes |"
-    assert graphs_row in targets
-    assert "200.0" not in targets  # the older plain run gave way to the newer one
-    rows = "\n".join(report._throughput(results, sources, {}))
+    assert graphs_row in met
+    assert "200.0" not in met  # the older plain run gave way to the newer one
+    rows = "\n".join(training.throughput_by_length(results, sources, {}))
     assert "| none, `--compile.cudagraphs` | trainer |" in rows and "| none | trainer |" in rows
 
 
 def test_bandwidth_target_compares_kernel_time_with_kernel_time_when_the_probe_has_it():
     size = {"bytes": 1024, "gb_per_s": 400.0}
     wall_only = [{"bytes": 1024, "gb_per_s": 320.0}]
-    assert report._bandwidth_share(size, wall_only) == pytest.approx(1.25)
+    assert targets.bandwidth_share(size, wall_only) == pytest.approx(1.25)
     both = [{**wall_only[0], "kernel_gb_per_s": 500.0}]
-    assert report._bandwidth_share(size, both) == pytest.approx(0.8)
+    assert targets.bandwidth_share(size, both) == pytest.approx(0.8)
 
 
 def test_kernel_ceiling_counts_the_forward_that_full_checkpointing_recomputes():
     kernel = {"status": "ok", "layers": 18, "forward_ms": 2.0, "forward_backward_ms": 6.0}
-    assert report.kernel_ceiling_ms({**kernel, "ac": "full"}) == 18 * (6.0 + 2.0)
-    assert report.kernel_ceiling_ms({**kernel, "ac": "none"}) == 18 * 6.0
-    assert report.kernel_ceiling_ms({**kernel, "ac": "selective:op"}) == 18 * 6.0
-    assert report.kernel_ceiling_ms({**kernel, "ac": "full", "status": "oom"}) is None
+    assert kernels.kernel_ceiling_ms({**kernel, "ac": "full"}) == 18 * (6.0 + 2.0)
+    assert kernels.kernel_ceiling_ms({**kernel, "ac": "none"}) == 18 * 6.0
+    assert kernels.kernel_ceiling_ms({**kernel, "ac": "selective:op"}) == 18 * 6.0
+    assert kernels.kernel_ceiling_ms({**kernel, "ac": "full", "status": "oom"}) is None
 
 
 def test_committed_performance_page_is_generated_from_the_results():
-    assert report.DOC_PATH.name == "performance.md"
-    assert report.main(["--check"]) == 0, "run python -m benchmarks.report"
+    assert page.DOC_PATH.name == "performance.md"
+    assert page.main(["--check"]) == 0, "run python -m benchmarks.report"
 
 
 def test_search_doubles_then_bisects_to_the_granularity():
@@ -436,7 +438,7 @@ def test_exchanges_are_timed_from_the_last_ranks_start():
     assert a2a["exchange_end_spread_us_median"] == 0.5
 
     probe = [{"bytes": 262144, "gb_per_s": 50.0, "kernel_gb_per_s": 100.0}]
-    shares = [report._bandwidth_share(size, probe) for size in (forward, backward)]
+    shares = [targets.bandwidth_share(size, probe) for size in (forward, backward)]
     assert shares == [forward["exchange_gb_per_s"] / 100, backward["exchange_gb_per_s"] / 100]
 
     # A rank that saw another number of exchanges cannot be matched call by call.

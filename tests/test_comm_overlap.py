@@ -1,13 +1,8 @@
-"""scripts/comm_overlap.py on a hand-made Chrome trace of the layout torch.profiler writes."""
+"""benchmarks/comm_overlap.py on a hand-made Chrome trace of the layout torch.profiler writes."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "comm_overlap.py"
-_spec = importlib.util.spec_from_file_location("comm_overlap", SCRIPT)
-comm_overlap = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(comm_overlap)
+from benchmarks import comm_overlap
 
 SEND = [4, 1, 1024, 8, 128]  # bf16: 8 MiB per rank
 

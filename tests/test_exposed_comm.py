@@ -1,13 +1,8 @@
-"""scripts/exposed_comm.py on a hand-made Chrome trace of the layout torch.profiler writes."""
+"""benchmarks/exposed_comm.py on a hand-made Chrome trace of the layout torch.profiler writes."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "exposed_comm.py"
-_spec = importlib.util.spec_from_file_location("exposed_comm", SCRIPT)
-exposed_comm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(exposed_comm)
+from benchmarks import exposed_comm
 
 
 def _event(cat, name, ts, dur):

@@ -1,4 +1,4 @@
-"""scripts/host_profile.py on CPU: the step timings and both threads' profiles are written."""
+"""benchmarks/host_profile.py on CPU: the step timings and both threads' profiles are written."""
 
 import re
 import subprocess
@@ -13,7 +13,7 @@ def test_host_profile_times_the_step_and_profiles_forward_and_backward(tmp_path)
     checkout = tmp_path / "repo"
     copy_checkout(checkout)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-    command += ["1", "scripts/host_profile.py", "--flavor", "debugmodel", "--seq-len", "64"]
+    command += ["1", "-m", "benchmarks.host_profile", "--flavor", "debugmodel", "--seq-len", "64"]
     command += ["--ac", "none", "--compile", "none", "--out", str(out)]
     result = subprocess.run(command, cwd=checkout, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

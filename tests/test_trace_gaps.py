@@ -1,16 +1,12 @@
-"""scripts/trace_gaps.py on hand-made Chrome traces of the layout torch.profiler writes."""
+"""benchmarks/trace_gaps.py on hand-made Chrome traces of the layout torch.profiler writes."""
 
 import gzip
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "trace_gaps.py"
-_spec = importlib.util.spec_from_file_location("trace_gaps", SCRIPT)
-trace_gaps = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(trace_gaps)
+from benchmarks import trace_gaps
+from benchmarks.trace_events import duration_events
 
 
 def _kernel(name, ts, dur, correlation, stream=7):
@@ -61,7 +57,7 @@ def _trace():
 
 
 def test_gaps_are_the_hosts_when_the_next_work_was_launched_late():
-    summary = trace_gaps.find_gaps(trace_gaps.duration_events(_trace()), min_gap_us=20)
+    summary = trace_gaps.find_gaps(duration_events(_trace()), min_gap_us=20)
     assert summary["idle_ms"] == {"host": 0.05, "device": 0.06}
     assert summary["gaps"] == 2 and summary["device_span_ms"] == 0.31
     assert summary["host_idle_by_launching_op_ms"] == {"aten::mm": 0.05}
@@ -75,7 +71,7 @@ def test_gaps_are_the_hosts_when_the_next_work_was_launched_late():
 
 def test_work_on_another_stream_fills_a_gap():
     busy_elsewhere = _kernel("other_stream", 90, 200, 9, stream=8)
-    summary = trace_gaps.find_gaps(trace_gaps.duration_events([*_trace(), busy_elsewhere]))
+    summary = trace_gaps.find_gaps(duration_events([*_trace(), busy_elsewhere]))
     assert summary["gaps"] == 0 and summary["idle_ms"] == {"host": 0.0, "device": 0.0}
 
 

@@ -1,22 +1,24 @@
 """Make torchtitan 0.2.2 train on CPU + gloo when the machine has no accelerator.
 
-torchtitan decides its device once, at import (``tools/utils.py:37``), and falls back to
-``"cuda"`` when nothing is found; modules copy that decision into their own globals.
-:func:`use_cpu_if_no_accelerator` changes nothing when an accelerator is present; otherwise it
+torchtitan decides its device once, at import (``tools.utils.get_device_info``, called at
+module level), and falls back to ``"cuda"`` when nothing is found; modules copy that decision
+into their own globals. :func:`use_cpu_if_no_accelerator` changes nothing when an accelerator
+is present; otherwise it
 
 - repoints every loaded ``torchtitan*`` module's ``device_type``/``device_module`` copy at
-  ``"cpu"`` and at a CPU device module (``tools/utils.py:42``, ``distributed/parallel_dims.py:12``,
-  ``distributed/utils.py:27``, ``components/metrics.py:21``, ``tools/profiling.py:16``), and makes
-  ``get_device_info`` answer CPU for modules imported later (``distributed/dual_pipe_v.py:187``);
+  ``"cpu"`` and at a CPU device module (``tools.utils`` and the modules that import its pair:
+  ``distributed.parallel_dims``, ``distributed.utils``, ``components.metrics``,
+  ``tools.profiling``), and makes ``get_device_info`` answer CPU for modules imported later
+  (``distributed.dual_pipe_v`` calls it at import);
 - gives that device module what ``torch.cpu`` lacks: ``get_device_name``,
   ``get_device_properties`` (physical RAM), ``memory_stats`` (peak RSS), ``reset_peak_memory_stats``
-  and ``empty_cache`` for the memory monitor (``components/metrics.py:45-95``), and an integer
-  ``current_device`` for the pg-timeout barrier (``distributed/utils.py:386``);
-- answers NaN for the peak FLOPS (``tools/utils.py:77``): torchtitan's probe would run ``lspci``
-  (absent on most machines, a warning each time) and then assume an A100; NaN tells
+  and ``empty_cache`` for the memory monitor (``components.metrics.DeviceMemoryMonitor``), and
+  an integer ``current_device`` for the pg-timeout barrier (``distributed.utils.set_pg_timeouts``);
+- answers NaN for the peak FLOPS (``tools.utils.get_peak_flops``): torchtitan's probe would run
+  ``lspci`` (absent on most machines, a warning each time) and then assume an A100; NaN tells
   :mod:`titan_gdn.metrics` that no MFU can be computed;
 - drops the duplicate CPU backend that ``training.enable_cpu_offload`` requests
-  (``distributed/utils.py:333``);
+  (``distributed.utils.init_distributed``);
 - lets expert parallel's token permutation (``models/moe/utils.py:_permute``) take
   ``generate_permute_indices``' CPU path, which it has but ``_permute`` never asks for (its
   default is a Triton kernel).
@@ -117,8 +119,8 @@ def _no_peak_flops(device_name: str) -> float:
 def _skip_cpu_offload_backend(dist_utils) -> None:
     init_distributed = dist_utils.init_distributed
 
-    # training.enable_cpu_offload asks for "cpu:gloo,cpu:gloo" here (distributed/utils.py:333),
-    # which c10d rejects as a duplicate; gloo already serves CPU tensors.
+    # training.enable_cpu_offload asks for "cpu:gloo,cpu:gloo" here (the backend string that
+    # init_distributed builds), which c10d rejects as a duplicate; gloo already serves CPU tensors.
     def init_distributed_on_cpu(comm_config, enable_cpu_backend=False, **kwargs):
         return init_distributed(comm_config, False, **kwargs)
 

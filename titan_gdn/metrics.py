@@ -1,9 +1,9 @@
 """torchtitan's training metrics plus the packed documents per step, and an MFU that follows them.
 
 torchtitan 0.2.2's Trainer shows its metrics processor only token counts, never the batches
-(train.py:403-408), so the training data loader counts documents (and the causal pairs that
-attention computes within them) into :data:`TRAINING_DOCUMENTS` as it hands out batches, and
-:class:`Qwen35MetricsProcessor` reads that tally at each log.
+(``Trainer.batch_generator``), so the training data loader counts documents (and the causal
+pairs that attention computes within them) into :data:`TRAINING_DOCUMENTS` as it hands out
+batches, and :class:`Qwen35MetricsProcessor` reads that tally at each log.
 
 Its step line keeps torchtitan's head, which log readers parse (scripts/summarize_runs.py), and
 ends with the run's progress; tflops and MFU appear only where the device's peak is known:
@@ -119,7 +119,7 @@ class Qwen35MetricsProcessor(MetricsProcessor):
         grad_norm: float,
         extra_metrics: dict[str, Any] | None = None,
     ):
-        """torchtitan's metrics (components/metrics.py:396-475) with the documents per step and
+        """torchtitan's metrics (``MetricsProcessor.log``) with the documents per step and
         their FLOPs, MFU only where the device's peak is known, and a log line that also says
         how far the run is, how long it has taken and how long it still needs."""
         flops_per_token = self._documents_flops_per_token(TRAINING_DOCUMENTS)

@@ -23,8 +23,8 @@ def build_qwen3_5_tokenizer(job_config):
     """torchtitan's HF tokenizer (the one the config check read: `load_tokenizer`), after
     checking the job config against the model flavor.
 
-    The Trainer builds the tokenizer first (train.py:121) and passes it to no model hook
-    (``update_from_config`` gets only the job config, train.py:140), so the flavor, the
+    The Trainer builds the tokenizer first (``Trainer.__init__``) and passes it to no model
+    hook (``update_from_config`` gets only the job config), so the flavor, the
     sequence lengths and the tokenizer's vocabulary are checked here, before any data is read
     or weights are built.
     """

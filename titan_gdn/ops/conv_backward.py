@@ -29,7 +29,7 @@ import triton.language as tl
 from titan_gdn.ops.documents import cached_token_document_starts
 
 TAPS = 4  # the windows are written out for this width
-# Rows per chunk, channels per program and warps (`scripts/conv_backends.py --tilings`).
+# Rows per chunk, channels per program and warps (`python -m benchmarks.conv_backends --tilings`).
 CHUNK = 128
 BLOCK_D = 512
 NUM_WARPS = 4

@@ -57,13 +57,7 @@ def input_saving_op(
         release_after_first_use(name, *args[:num_differentiable])
         return output
 
-    forward = torch.library.custom_op(
-        f"{NAMESPACE}::{name}",
-        forward_impl,
-        mutates_args=(),
-        schema=f"{arguments} -> Tensor",
-        tags=OUTSIDE_CUDA_GRAPHS,
-    )
+    forward = register_op(name, forward_impl, f"{arguments} -> Tensor")
 
     @forward.register_fake
     def _(*args):
@@ -79,13 +73,8 @@ def input_saving_op(
         release_after_first_use(f"{name}_backward", *args[:num_differentiable])
         return [g.contiguous() for g in grads]
 
-    backward = torch.library.custom_op(
-        f"{NAMESPACE}::{name}_backward",
-        backward_impl,
-        mutates_args=(),
-        schema=f"(Tensor grad, {arguments.removeprefix('(')} -> Tensor[]",
-        tags=OUTSIDE_CUDA_GRAPHS,
-    )
+    backward_arguments = f"(Tensor grad, {arguments.removeprefix('(')}"
+    backward = register_op(f"{name}_backward", backward_impl, f"{backward_arguments} -> Tensor[]")
 
     @backward.register_fake
     def _(grad, *args):
@@ -104,6 +93,13 @@ def input_saving_op(
 
     forward.register_autograd(backward_formula, setup_context=setup_context)
     return forward
+
+
+def register_op(name: str, fn: Callable, schema: str):
+    """`fn` as the custom op `titan_gdn::name` of `schema`, kept out of CUDA graphs."""
+    return torch.library.custom_op(
+        f"{NAMESPACE}::{name}", fn, mutates_args=(), schema=schema, tags=OUTSIDE_CUDA_GRAPHS
+    )
 
 
 @contextlib.contextmanager

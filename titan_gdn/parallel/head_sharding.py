@@ -15,8 +15,8 @@ no separate `wait_tensor` (so selective checkpointing tags it like any op and
 `OPS_TO_SAVE` names it), which compiles fullgraph. On CPU meshes torch instead gathers the
 whole tensor and keeps a chunk; `titan_gdn.cpu.exchange_shards_by_all_to_all` makes CPU runs
 use the op too. Peak memory of a whole cp=2 step (the debug model, 4096 tokens a row, B=1,
-torch 2.13 on CPU, `scripts/exchange_memory.py`: the least over 3 steps), against the custom
-op `titan_gdn::all_to_all` this module held before (commit 8dedaf6), DTensor / op in MiB:
+torch 2.13 on CPU: the least over 3 steps), against a custom all-to-all op
+(`titan_gdn::all_to_all`), DTensor / op in MiB:
 
 | compiled | AC none | AC selective op | AC full |
 |---|---|---|---|
@@ -24,7 +24,7 @@ op `titan_gdn::all_to_all` this module held before (commit 8dedaf6), DTensor / o
 | yes (`aot_eager`) | 446.0 / 442.0 | 355.7 / 359.7 | 299.3 / 326.7 |
 
 DTensor is within 3% of the op or below it at B=1 and B=2 in every mode, so the op is gone.
-B=2, how much identical steps vary, the exchange on its own, the commands: docs/design.md.
+B=2, how much identical steps vary, the exchange on its own: docs/design.md.
 
 Per-head parameters (`local`) stay plain slices of the unsharded parameter. As DTensors on
 the `cp` mesh they cannot be FSDP2 parameters over the flattened dp_shard x cp mesh

@@ -39,15 +39,7 @@ def resolve_delta_rule_backend(device: torch.device | str, backend: str | None) 
 
 
 def gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    backend: str | None = None,
-    scale: float | None = None,
+    q, k, v, g, beta, cu_seqlens, *, backend: str | None = None, scale: float | None = None
 ) -> torch.Tensor:
     """Gated delta rule over the packed documents of one row; returns o [1, T, Hv, Dv].
 

@@ -22,18 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from titan_gdn.ops.delta_rule.inputs import per_value_head
 from titan_gdn.ops.documents import token_documents
 
 
 def chunk_gated_delta_rule_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float | None = None,
-    chunk_size: int = 64,
+    q, k, v, g, beta, cu_seqlens, scale: float | None = None, chunk_size: int = 64
 ) -> torch.Tensor:
     """Gated delta rule over packed documents; returns o [1, T, Hv, Dv] in v's dtype.
 
@@ -46,15 +40,7 @@ def chunk_gated_delta_rule_torch(
 
 
 def chunk_gated_delta_rule_torch_with_states(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    initial_state: torch.Tensor | None,
-    scale: float | None = None,
-    chunk_size: int = 64,
+    q, k, v, g, beta, cu_seqlens, initial_state, scale: float | None = None, chunk_size: int = 64
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same over R rows of T / R tokens laid end to end, each row continuing a document
     that began before it: (o, final_state).
@@ -63,17 +49,13 @@ def chunk_gated_delta_rule_torch_with_states(
     row, which must start a document in `cu_seqlens`; `final_state` [R, Hv, Dk, Dv] (fp32, or
     fp64) is the state after each row's last token. Documents inside a row start from zero.
     """
-    dtype = torch.promote_types(v.dtype, torch.float32)
-    value_heads, key_dim = v.shape[2], k.shape[3]
-    scale = key_dim**-0.5 if scale is None else scale
     layout = DocumentChunkLayout.build(cu_seqlens, v.shape[1], chunk_size)
+    inputs = per_value_head(q, k, v, g, beta, scale)
+    _, value_heads, key_dim = inputs[1].shape
+    dtype = inputs[2].dtype
     if initial_state is None:
-        initial_state = v.new_zeros(1, value_heads, key_dim, v.shape[3], dtype=dtype)
-    q = _unit_norm(q[0].to(dtype)).repeat_interleave(value_heads // q.shape[2], dim=1) * scale
-    k = _unit_norm(k[0].to(dtype)).repeat_interleave(value_heads // k.shape[2], dim=1)
-    chunks = [
-        layout.to_chunks(x) for x in (q, k, v[0].to(dtype), g[0].to(dtype), beta[0].to(dtype))
-    ]
+        initial_state = inputs[2].new_zeros(1, value_heads, key_dim, v.shape[3])
+    chunks = [layout.to_chunks(x) for x in inputs]
     rows = layout.row_chunks(initial_state.shape[0])
     out, final_state = _scan_chunks(
         _intra_chunk_terms(*chunks), layout.carry.to(dtype), initial_state.to(dtype), rows
@@ -201,7 +183,3 @@ _SCAN_TERMS = (
     "k_to_chunk_end",
     "chunk_decay",
 )
-
-
-def _unit_norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)

@@ -25,9 +25,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from titan_gdn.ops.custom_op import OUTSIDE_CUDA_GRAPHS
-from titan_gdn.ops.delta_rule.fla_op import CHUNK_SIZE, _on_device, load_fla_kernels
+from titan_gdn.ops.custom_op import register_op
+from titan_gdn.ops.delta_rule.fla_op import (
+    CHUNK_SIZE,
+    INPUTS,
+    RESIDUALS,
+    _on_device,
+    fake_input_grads,
+    fake_output_and_residuals,
+    load_fla_kernels,
+    register_autograd_with_residuals,
+    tensors,
+)
 from titan_gdn.ops.local_memory import release_after_first_use
+
+# The schemas' arguments after cu_seqlens: the rows of the chunk and the group they span.
+CONSTANTS = "SymInt rows, str group_name, float scale"
 
 
 def fla_gated_delta_rule_cp(q, k, v, g, beta, cu_seqlens, rows: int, group_name: str, scale=None):
@@ -81,20 +94,7 @@ def _per_row(x: Tensor, rows: int) -> list[Tensor]:
     return list(x.chunk(rows, dim=1))
 
 
-@torch.library.custom_op(
-    "titan_gdn::gated_delta_rule_fla_cp", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS
-)
-def gated_delta_rule_fla_cp(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    cu_seqlens: Tensor,
-    rows: int,
-    group_name: str,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _gated_delta_rule_fla_cp(q, k, v, g, beta, cu_seqlens, rows, group_name, scale):
     """o, the residuals of `fla_op.gated_delta_rule_fla` and the states entering each row's
     chunk [rows, Hv, Dk, Dv] (fp32)."""
     fla = load_fla_kernels()
@@ -142,41 +142,34 @@ def gated_delta_rule_fla_cp(
     )
 
 
+gated_delta_rule_fla_cp = register_op(
+    "gated_delta_rule_fla_cp", _gated_delta_rule_fla_cp, f"({INPUTS}, {CONSTANTS}) -> {tensors(9)}"
+)
+
+
 @gated_delta_rule_fla_cp.register_fake
 def _(q, k, v, g, beta, cu_seqlens, rows, group_name, scale):
     value_heads, key_dim, value_dim = v.shape[2], k.shape[3], v.shape[3]
-    return (
-        v.new_empty(v.shape),
-        q.new_empty(q.shape),
-        q.new_empty(q.shape[:-1], dtype=torch.float32),
-        k.new_empty(k.shape),
-        k.new_empty(k.shape[:-1], dtype=torch.float32),
-        v.new_empty(v.shape),
-        g.new_empty(g.shape, dtype=torch.float32),
-        k.new_empty((*beta.shape, CHUNK_SIZE)),
-        v.new_empty((rows, value_heads, key_dim, value_dim), dtype=torch.float32),
-    )
+    entering = v.new_empty((rows, value_heads, key_dim, value_dim), dtype=torch.float32)
+    return (*fake_output_and_residuals(q, k, v, g, beta), entering)
 
 
-@torch.library.custom_op(
-    "titan_gdn::gated_delta_rule_fla_cp_backward", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS
-)
-def gated_delta_rule_fla_cp_backward(
-    grad_o: Tensor,
-    q: Tensor,
-    q_rstd: Tensor,
-    k: Tensor,
-    k_rstd: Tensor,
-    v: Tensor,
-    g_cumsum: Tensor,
-    A: Tensor,
-    entering: Tensor,
-    beta: Tensor,
-    cu_seqlens: Tensor,
-    rows: int,
-    group_name: str,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _gated_delta_rule_fla_cp_backward(
+    grad_o,
+    q,
+    q_rstd,
+    k,
+    k_rstd,
+    v,
+    g_cumsum,
+    A,
+    entering,
+    beta,
+    cu_seqlens,
+    rows,
+    group_name,
+    scale,
+):
     """Gradients for q, k, v, g, beta; the state gradients cross ranks inside FLA's backward."""
     fla = load_fla_kernels()
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
@@ -216,24 +209,17 @@ def gated_delta_rule_fla_cp_backward(
     return tuple(grad.to(x.dtype) for grad, x in zip((dq, dk, dv, dg, dbeta), inputs, strict=True))
 
 
+gated_delta_rule_fla_cp_backward = register_op(
+    "gated_delta_rule_fla_cp_backward",
+    _gated_delta_rule_fla_cp_backward,
+    f"(Tensor grad_o, {RESIDUALS}, Tensor entering, Tensor beta, Tensor cu_seqlens, "
+    f"{CONSTANTS}) -> {tensors(5)}",
+)
+
+
 @gated_delta_rule_fla_cp_backward.register_fake
 def _(grad_o, q, q_rstd, k, k_rstd, v, g_cumsum, A, entering, beta, cu_seqlens, rows, group, scale):
-    return tuple(x.new_empty(x.shape) for x in (q, k, v, g_cumsum, beta))
+    return fake_input_grads(q, k, v, g_cumsum, beta)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, rows, group_name, scale = inputs
-    residuals = output[1:]
-    ctx.mark_non_differentiable(*residuals)
-    ctx.save_for_backward(*residuals, beta, cu_seqlens)
-    ctx.constants = (rows, group_name, scale)
-    ctx.input_dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
-
-
-def _backward(ctx, grad_o, *residual_grads):
-    grads = gated_delta_rule_fla_cp_backward(grad_o, *ctx.saved_tensors, *ctx.constants)
-    grads = [grad.to(dtype) for grad, dtype in zip(grads, ctx.input_dtypes, strict=True)]
-    return *grads, None, None, None, None
-
-
-gated_delta_rule_fla_cp.register_autograd(_backward, setup_context=_setup_context)
+register_autograd_with_residuals(gated_delta_rule_fla_cp, gated_delta_rule_fla_cp_backward)

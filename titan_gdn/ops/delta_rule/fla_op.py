@@ -26,12 +26,21 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from titan_gdn.ops.custom_op import OUTSIDE_CUDA_GRAPHS
+from titan_gdn.ops.custom_op import register_op
 from titan_gdn.ops.documents import FLA_CHUNK_SIZE, cached_documents_and_chunks
 from titan_gdn.ops.local_memory import release_after_first_use
 
 # FLA's default chunk size for the gated delta rule; A is [1, T, Hv, CHUNK_SIZE].
 CHUNK_SIZE = FLA_CHUNK_SIZE
+# The ops' schemas: a forward op's inputs, and the residuals that FLA's forward leaves for its
+# backward (outputs of the forward ops after o, inputs of the backward ops after grad_o).
+INPUTS = "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens"
+RESIDUALS = "Tensor q, Tensor q_rstd, Tensor k, Tensor k_rstd, Tensor v, Tensor g_cumsum, Tensor A"
+
+
+def tensors(count: int) -> str:
+    """A schema's `count` tensor outputs."""
+    return f"({', '.join(['Tensor'] * count)})"
 
 
 class FlaKernels(NamedTuple):
@@ -68,12 +77,7 @@ def fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale: float | None) -> T
     return gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens, scale)[0]
 
 
-@torch.library.custom_op(
-    "titan_gdn::gated_delta_rule_fla", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS
-)
-def gated_delta_rule_fla(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, scale: float
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens, scale):
     """o and the residuals (q, q_rstd, k, k_rstd, v, g_cumsum, A) that the backward takes."""
     fla = load_fla_kernels()
     # FLA types cu_seqlens as LongTensor, but every kernel casts what it loads, and int32 is
@@ -106,10 +110,19 @@ def gated_delta_rule_fla(
     return o.to(q.dtype).to(v.dtype), q_unit, q_rstd, k_unit, k_rstd, v_saved, g_cumsum, A
 
 
+gated_delta_rule_fla = register_op(
+    "gated_delta_rule_fla", _gated_delta_rule_fla, f"({INPUTS}, float scale) -> {tensors(8)}"
+)
+
+
 @gated_delta_rule_fla.register_fake
 def _(q, k, v, g, beta, cu_seqlens, scale):
-    # FLA's dtypes: normalised q/k keep theirs, norms and the cumulative decay are fp32, A
-    # takes k's.
+    return fake_output_and_residuals(q, k, v, g, beta)
+
+
+def fake_output_and_residuals(q, k, v, g, beta) -> tuple[Tensor, ...]:
+    """Empty o, q, q_rstd, k, k_rstd, v, g_cumsum, A as FLA's forward returns them: normalised
+    q and k keep their dtypes, the norms and the cumulative decay are fp32, A takes k's."""
     return (
         v.new_empty(v.shape),
         q.new_empty(q.shape),
@@ -122,22 +135,9 @@ def _(q, k, v, g, beta, cu_seqlens, scale):
     )
 
 
-@torch.library.custom_op(
-    "titan_gdn::gated_delta_rule_fla_backward", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS
-)
-def gated_delta_rule_fla_backward(
-    grad_o: Tensor,
-    q: Tensor,
-    q_rstd: Tensor,
-    k: Tensor,
-    k_rstd: Tensor,
-    v: Tensor,
-    g_cumsum: Tensor,
-    A: Tensor,
-    beta: Tensor,
-    cu_seqlens: Tensor,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _gated_delta_rule_fla_backward(
+    grad_o, q, q_rstd, k, k_rstd, v, g_cumsum, A, beta, cu_seqlens, scale
+):
     """Gradients for q, k, v, g, beta from the forward's residuals, in their dtypes (dg fp32)."""
     fla = load_fla_kernels()
     cu_seqlens, chunk_indices = cached_documents_and_chunks()(cu_seqlens)
@@ -164,27 +164,45 @@ def gated_delta_rule_fla_backward(
     return tuple(grad.to(x.dtype) for grad, x in zip(grads, (q, k, v, g_cumsum, beta), strict=True))
 
 
+gated_delta_rule_fla_backward = register_op(
+    "gated_delta_rule_fla_backward",
+    _gated_delta_rule_fla_backward,
+    f"(Tensor grad_o, {RESIDUALS}, Tensor beta, Tensor cu_seqlens, float scale) -> {tensors(5)}",
+)
+
+
 @gated_delta_rule_fla_backward.register_fake
 def _(grad_o, q, q_rstd, k, k_rstd, v, g_cumsum, A, beta, cu_seqlens, scale):
+    return fake_input_grads(q, k, v, g_cumsum, beta)
+
+
+def fake_input_grads(q, k, v, g_cumsum, beta) -> tuple[Tensor, ...]:
     return tuple(x.new_empty(x.shape) for x in (q, k, v, g_cumsum, beta))
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, scale = inputs
-    residuals = output[1:]
-    ctx.mark_non_differentiable(*residuals)
-    ctx.save_for_backward(*residuals, beta, cu_seqlens)
-    ctx.scale = scale
-    ctx.input_dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+def register_autograd_with_residuals(forward_op, backward_op) -> None:
+    """Make `forward_op(q, k, v, g, beta, cu_seqlens, *constants) -> (o, *residuals)`
+    differentiable by `backward_op(grad_o, *residuals, beta, cu_seqlens, *constants)`, which
+    returns the gradients of q, k, v, g and beta: the residuals, beta and cu_seqlens are
+    saved, the constants kept, and the gradients given the inputs' dtypes."""
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, g, beta, cu_seqlens, *constants = inputs
+        residuals = output[1:]
+        ctx.mark_non_differentiable(*residuals)
+        ctx.save_for_backward(*residuals, beta, cu_seqlens)
+        ctx.constants = constants
+        ctx.input_dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+
+    def backward(ctx, grad_o, *residual_grads):
+        grads = backward_op(grad_o, *ctx.saved_tensors, *ctx.constants)
+        grads = [grad.to(dtype) for grad, dtype in zip(grads, ctx.input_dtypes, strict=True)]
+        return *grads, None, *[None] * len(ctx.constants)  # none for cu_seqlens, constants
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
 
 
-def _backward(ctx, grad_o, *residual_grads):
-    grads = gated_delta_rule_fla_backward(grad_o, *ctx.saved_tensors, ctx.scale)
-    grads = [grad.to(dtype) for grad, dtype in zip(grads, ctx.input_dtypes, strict=True)]
-    return *grads, None, None
-
-
-gated_delta_rule_fla.register_autograd(_backward, setup_context=_setup_context)
+register_autograd_with_residuals(gated_delta_rule_fla, gated_delta_rule_fla_backward)
 
 
 def _on_device(x: Tensor):

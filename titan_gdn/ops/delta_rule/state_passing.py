@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_gdn.ops.custom_op import OUTSIDE_CUDA_GRAPHS, recording_autograd
+from titan_gdn.ops.custom_op import recording_autograd, register_op
 from titan_gdn.ops.delta_rule.chunk_torch import chunk_gated_delta_rule_torch_with_states
 
 
@@ -64,23 +64,23 @@ def add_incoming_state(outputs: torch.Tensor, state: torch.Tensor) -> torch.Tens
     return (local + carried.to(local.dtype)).flatten(0, 1)[None]
 
 
-@torch.library.custom_op(
-    "titan_gdn::affine_gated_delta_rule_torch", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS
+# The arguments of the local pass, in its op's schema and its backward op's.
+_ARGUMENTS = (
+    "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
+    "Tensor initial_state, float? scale"
 )
-def _affine_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    initial_state: torch.Tensor,
-    scale: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+
+
+def _affine_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale):
     o, final = chunk_gated_delta_rule_torch_with_states(
         q, k, v, g, beta, cu_seqlens, initial_state, scale
     )
     return o.contiguous(), final.contiguous()
+
+
+_affine_op = register_op(
+    "affine_gated_delta_rule_torch", _affine_forward, f"({_ARGUMENTS}) -> (Tensor, Tensor)"
+)
 
 
 @_affine_op.register_fake
@@ -91,21 +91,7 @@ def _(q, k, v, g, beta, cu_seqlens, initial_state, scale):
 
 # Its backward recomputes the forward under autograd, as `custom_op.input_saving_op` does for
 # the one-output torch delta rule (this op has two outputs, which that helper does not make).
-@torch.library.custom_op(
-    "titan_gdn::affine_gated_delta_rule_torch_backward", mutates_args=(), tags=OUTSIDE_CUDA_GRAPHS
-)
-def _affine_op_backward(
-    grad_o: torch.Tensor,
-    grad_final: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    initial_state: torch.Tensor,
-    scale: float | None,
-) -> list[torch.Tensor]:
+def _affine_backward(grad_o, grad_final, q, k, v, g, beta, cu_seqlens, initial_state, scale):
     inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
     with recording_autograd():
         o, final = chunk_gated_delta_rule_torch_with_states(
@@ -113,6 +99,13 @@ def _affine_op_backward(
         )
     grads = torch.autograd.grad((o, final), inputs, (grad_o, grad_final), materialize_grads=True)
     return [grad.contiguous() for grad in grads]
+
+
+_affine_op_backward = register_op(
+    "affine_gated_delta_rule_torch_backward",
+    _affine_backward,
+    f"(Tensor grad_o, Tensor grad_final, {_ARGUMENTS}) -> Tensor[]",
+)
 
 
 @_affine_op_backward.register_fake

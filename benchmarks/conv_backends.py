@@ -5,7 +5,7 @@ kernel, and the torch formulation compiled by inductor on its own (`torch-compil
 conv would cost if compiled blocks traced it instead of calling the opaque op; no model backend
 runs it so). `--tilings` also times the backward alone: FLA's, and ours at several tile sizes.
 
-    python scripts/conv_backends.py [--json out.json] [--backends fla ...] [--tilings]
+    python -m benchmarks.conv_backends [--json out.json] [--backends fla ...] [--tilings]
 
 On a packed row of random documents at the conv width of the 0.8B/2B (6144 channels: q, k, v)
 and 4B (8192) flavors, each available backend's bf16 output and gradients are checked against

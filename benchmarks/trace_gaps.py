@@ -1,38 +1,25 @@
 """Where a profiled step leaves the GPU idle, and whether the host was late.
 
-    python scripts/trace_gaps.py TRACE.json [--min-gap-us 20] [--top 15] [--json out.json]
+    python -m benchmarks.trace_gaps TRACE.json [--min-gap-us 20] [--top 15] [--json out.json]
 
-Reads a Chrome trace written by torch.profiler (`python -m benchmarks.throughput ...
---trace-dir DIR` saves one per profiled step). Every interval in which no kernel, copy or
-memset runs on any stream is a gap. A gap is the host's when the work after it was launched
-after the gap began (the GPU had nothing queued: launch overhead, Python, a host sync);
-otherwise the queued work waited on something on the device (another stream, a collective's
-peer, an event). Host gaps are charged to the innermost CPU op running at the launch, which
-names the slow host code. The profiler's own overhead makes host gaps longer than in an
-unprofiled step: compare their share with `busy_ms` and the step time of the benchmark JSON.
+Reads a Chrome trace written by torch.profiler (`benchmarks.throughput --trace-dir`). Every
+interval in which no kernel, copy or memset runs on any stream is a gap. A gap is the host's
+when the work after it was launched after the gap began (the GPU had nothing queued: launch
+overhead, Python, a host sync); otherwise the queued work waited on something on the device
+(another stream, a collective's peer, an event). Host gaps are charged to the innermost CPU op
+running at the launch, which names the slow host code. The profiler's own overhead makes host
+gaps longer than in an unprofiled step: compare their share with `busy_ms` and the step time of
+the benchmark JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
 
-DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
-
-
-def load_events(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as file:
-        data = json.load(file)
-    return duration_events(data["traceEvents"] if isinstance(data, dict) else data)
-
-
-def duration_events(events: list[dict]) -> list[dict]:
-    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+from benchmarks.trace_events import DEVICE_CATEGORIES, LAUNCH_CATEGORIES, load_events, span
 
 
 def find_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
@@ -47,7 +34,7 @@ def find_gaps(events: list[dict], min_gap_us: float = 20.0) -> dict:
     cpu_ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
     gaps, busy_until = [], None
     for work in device:
-        start, end = work["ts"], work["ts"] + work["dur"]
+        start, end = span(work)
         if busy_until is not None and start - busy_until >= min_gap_us:
             gaps.append(_gap(busy_until, work, launches, cpu_ops))
         busy_until = end if busy_until is None else max(busy_until, end)

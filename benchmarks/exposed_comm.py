@@ -1,44 +1,35 @@
 """Where in a profiled step the collectives run with no compute beside them.
 
-    python scripts/exposed_comm.py TRACE.json [--top 15] [--json out.json]
+    python -m benchmarks.exposed_comm TRACE.json [--top 15] [--json out.json]
 
-Reads a Chrome trace written by torch.profiler (`python -m benchmarks.throughput ...
---trace-dir DIR`). A collective kernel is exposed while no other kernel, copy or memset runs
-on the device: the step waits on the link (or on a late peer) then. Prints the exposed time
-per NCCL kernel kind and per step phase (the benchmark's `bench::` ranges on the device;
-backward is what lies between the loss and gradient clipping), and the longest exposed
-stretches with their offset from the step's first kernel.
+Reads a Chrome trace written by torch.profiler (`benchmarks.throughput --trace-dir`). A
+collective kernel is exposed while no other kernel, copy or memset runs on the device: the step
+waits on the link (or on a late peer) then. Prints the exposed time per NCCL kernel kind and per
+step phase (the benchmark's `bench::` ranges on the device; backward is what lies between the
+loss and gradient clipping), and the longest exposed stretches with their offset from the step's
+first kernel. The step breakdown of `benchmarks.throughput` records the same exposed time per
+kind of collective (`exposed_comm_ms`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from collections import defaultdict
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location(
-    "comm_overlap", Path(__file__).resolve().parent / "comm_overlap.py"
-)
-comm_overlap = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(comm_overlap)
-
-DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
-PHASES = ("bench::documents", "bench::forward", "bench::loss", "bench::clip_grad_norm")
+from benchmarks.intervals import merged, uncovered
+from benchmarks.trace_events import DEVICE_CATEGORIES, STEP_PHASES, load_events, span
 
 
 def exposed_stretches(events: list[dict]) -> tuple[list[dict], float]:
     """Exposed parts of each collective kernel: kernel name, start, end (us); and the step's
     first device timestamp."""
-    work = [e for e in events if e.get("cat") in DEVICE_WORK and "dur" in e]
-    compute = comm_overlap._merged(
-        (e["ts"], e["ts"] + e["dur"]) for e in work if not e["name"].startswith("nccl")
-    )
+    work = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
+    compute = merged(span(e) for e in work if not e["name"].startswith("nccl"))
     stretches = []
     for kernel in (e for e in work if e["name"].startswith("nccl")):
-        start, end = kernel["ts"], kernel["ts"] + kernel["dur"]
-        for gap_start, gap_end in _uncovered(compute, start, end):
+        for gap_start, gap_end in uncovered(compute, *span(kernel)):
             stretches.append({"kernel": kernel["name"], "start": gap_start, "end": gap_end})
     origin = min((e["ts"] for e in work), default=0.0)
     return stretches, origin
@@ -46,11 +37,11 @@ def exposed_stretches(events: list[dict]) -> tuple[list[dict], float]:
 
 def phase_spans(events: list[dict]) -> list[tuple[str, float, float]]:
     spans = [
-        (e["name"].removeprefix("bench::"), e["ts"], e["ts"] + e["dur"])
+        (e["name"].removeprefix("bench::"), *span(e))
         for e in events
-        if e.get("cat") == "gpu_user_annotation" and e["name"] in PHASES
+        if e.get("cat") == "gpu_user_annotation" and e["name"] in STEP_PHASES
     ]
-    spans.sort(key=lambda span: span[1])
+    spans.sort(key=lambda phase: phase[1])
     by_name = {name: (start, end) for name, start, end in spans}
     if "loss" in by_name and "clip_grad_norm" in by_name:
         spans.append(("backward", by_name["loss"][1], by_name["clip_grad_norm"][0]))
@@ -68,28 +59,13 @@ def kind(kernel: str) -> str:
     return kernel[:40]
 
 
-def _uncovered(covered: list[tuple[float, float]], start: float, end: float):
-    """The parts of [start, end) outside the sorted disjoint intervals `covered`."""
-    cursor = start
-    for c_start, c_end in covered:
-        if c_end <= cursor:
-            continue
-        if c_start >= end:
-            break
-        if c_start > cursor:
-            yield cursor, c_start
-        cursor = max(cursor, c_end)
-    if cursor < end:
-        yield cursor, end
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", type=Path)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    events = json.loads(args.trace.read_text())["traceEvents"]
+    events = load_events(args.trace)
     stretches, origin = exposed_stretches(events)
     spans = phase_spans(events)
     totals: dict[tuple[str, str], float] = defaultdict(float)

@@ -13,7 +13,7 @@ waits), and cProfile tables of one step, by own and by cumulative time: the main
 runs on a GPU (Python 3.12 allows one profiler at a time, and its call counts are exact where
 its times are not: it counted the custom ops' bodies twice).
 
-    torchrun --standalone --nproc_per_node 1 scripts/host_profile.py --flavor 0.8B \\
+    torchrun --standalone --nproc_per_node 1 -m benchmarks.host_profile --flavor 0.8B \\
         --seq-len 8192 --ac full --out host_profile.txt
 """
 
@@ -31,9 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo's packages
-
-from benchmarks import common  # noqa: E402
+from benchmarks import common
 
 WARMUP_STEPS = 3
 SAMPLED_STEPS = 3

@@ -1,6 +1,6 @@
 """Whether the mixers' all-to-alls share the link with FSDP's collectives, from a profiled step.
 
-    python scripts/comm_overlap.py TRACE.json [--json out.json]
+    python -m benchmarks.comm_overlap TRACE.json [--json out.json]
 
 Reads a Chrome trace written by torch.profiler (`python -m benchmarks.throughput ...
 --trace-dir DIR` saves one per profiled step). For each mixer's head exchange (DTensor's op
@@ -17,18 +17,14 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import importlib.util
 import json
 import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location(
-    "trace_gaps", Path(__file__).resolve().parent / "trace_gaps.py"
-)
-trace_gaps = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(trace_gaps)
+from benchmarks.intervals import covered, merged
+from benchmarks.trace_events import LAUNCH_CATEGORIES, load_events, span
 
 EXCHANGE_OP = "_dtensor::shard_dim_alltoall"  # DTensor's Shard -> Shard redistribution
 FSDP_KERNELS = ("AllGather", "ReduceScatter")
@@ -47,8 +43,8 @@ def exchanges(events: list[dict]) -> list[dict]:
         for e in events
         if e.get("cat") == "kernel" and "correlation" in e.get("args", {})
     }
-    fsdp = _merged(
-        (e["ts"], e["ts"] + e["dur"])
+    fsdp = merged(
+        span(e)
         for e in events
         if e.get("cat") == "kernel" and any(part in e["name"] for part in FSDP_KERNELS)
     )
@@ -58,13 +54,12 @@ def exchanges(events: list[dict]) -> list[dict]:
         kernel = _kernel_of(op, launches, kernels)
         if kernel is None:
             continue
-        start, end = kernel["ts"], kernel["ts"] + kernel["dur"]
         found.append(
             {
                 "direction": "backward" if _in_backward(op, backward_ops) else "forward",
                 "bytes": _input_bytes(op),
                 "kernel_us": kernel["dur"],
-                "overlap_us": _covered(fsdp, start, end),
+                "overlap_us": covered(fsdp, *span(kernel)),
             }
         )
     return found
@@ -98,7 +93,7 @@ def summarize(found: list[dict]) -> list[dict]:
 def _launches_by_thread(events: list[dict]) -> dict:
     by_thread = defaultdict(list)
     for e in events:
-        if e.get("cat") in trace_gaps.LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
             by_thread[e.get("tid")].append((e["ts"], e["args"]["correlation"]))
     return {tid: sorted(items) for tid, items in by_thread.items()}
 
@@ -131,26 +126,6 @@ def _input_bytes(op: dict) -> int:
     return math.prod(dims) * ELEMENT_BYTES.get(dtype, 0) if dims else 0
 
 
-def _merged(intervals) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(start, end) for start, end in merged]
-
-
-def _covered(intervals: list[tuple[float, float]], start: float, end: float) -> float:
-    first = max(bisect.bisect_right(intervals, (start, math.inf)) - 1, 0)
-    total = 0.0
-    for a, b in intervals[first:]:
-        if a >= end:
-            break
-        total += max(0.0, min(b, end) - max(a, start))
-    return total
-
-
 def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 1) if values else None
 
@@ -160,7 +135,7 @@ def main(argv=None) -> int:
     parser.add_argument("trace", type=Path)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
-    rows = summarize(exchanges(trace_gaps.load_events(args.trace)))
+    rows = summarize(exchanges(load_events(args.trace)))
     print(f"{args.trace.name}: all-to-all kernels alone and beside FSDP's collectives")
     print("direction  MiB/rank  calls  median us  alone  median us  beside FSDP  median us")
     for r in rows:

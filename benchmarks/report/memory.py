@@ -1,0 +1,44 @@
+"""How long a row fits: the longest-sequence searches of `benchmarks.memory`."""
+
+from __future__ import annotations
+
+from benchmarks.report.plots import image
+from benchmarks.report.tables import Sources, loss_text, question
+
+
+@question("How long a row fits?")
+def longest_rows(results: dict, sources: Sources, plots: dict) -> list[str]:
+    files = results.get("memory", [])
+    if not files:
+        return []
+    rows = []
+    for name, data in files:
+        options, result = data["options"], data.get("result", {})
+        cells = [
+            options["flavor"],
+            options["cp"],
+            options["ac"],
+            _searched(options),
+            result.get("longest_fit"),
+            result.get("first_oom"),
+            result.get("peak_reserved_gib"),
+            result.get("tokens_per_s_per_gpu"),
+            loss_text(result.get("losses")),
+            "yes" if result.get("complete") else "no",
+        ]
+        rows.append((name, cells))
+    headings = ["flavor", "cp (GPUs)", "AC", "lengths searched", "longest fit", "first OOM"]
+    headings += ["peak reserved GiB", "tokens/s/GPU", "loss first → last", "complete"]
+    intro = [
+        "Powers of two, then bisection between the longest fit and the first out-of-memory "
+        "length; each trial a few real training steps in a fresh process "
+        "(`benchmarks/memory.py`). Peak memory and tokens/s at the longest fit; a trial's few "
+        "steps are not a throughput measurement.",
+        "",
+    ]
+    return intro + image(plots, "memory") + sources.table(headings, rows)
+
+
+def _searched(options: dict) -> str:
+    start, limit = options["start"], options["limit"]
+    return f"{start:,} only" if start == limit else f"{start:,} to {limit:,}"
