@@ -42,3 +42,30 @@ def longest_rows(results: dict, sources: Sources, plots: dict) -> list[str]:
 def _searched(options: dict) -> str:
     start, limit = options["start"], options["limit"]
     return f"{start:,} only" if start == limit else f"{start:,} to {limit:,}"
+
+
+@question("How long a row of one document fits?")
+def longest_one_document_rows(results: dict, sources: Sources, plots: dict) -> list[str]:
+    files = results.get("long_row_configs", [])
+    if not files:
+        return []
+    rows = []
+    for name, data in files:
+        for trial in data["trials"]:
+            last = trial["steps"][-1] if trial["steps"] else {}
+            free = trial["free_at_peak_gib"]
+            cells = [trial["config"], trial["seq_len"], trial["outcome"]]
+            # A step that includes compiling is no speed: tokens/s of completed runs only.
+            speed = last.get("tokens_per_s") if len(trial["steps"]) > 1 else None
+            cells += [last.get("max_reserved_gib"), free, speed]
+            rows.append((name, cells))
+    headings = ["config", "row", "outcome", "peak reserved GiB (last step logged)"]
+    headings += ["GPU free at the peak GiB", "tokens/s (step 3)"]
+    intro = [
+        "The one-GPU long-row configs with `run_train.sh`, 3 steps on rows of one document "
+        "each (`--corpus one-document` of the benchmarks), fresh machines; the GPU's memory "
+        "sampled by `nvidia-smi`. Attention spans the whole row, so these steps cost more, "
+        "and hold more, than rows of short documents of the same length.",
+        "",
+    ]
+    return intro + sources.table(headings, rows)

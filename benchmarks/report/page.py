@@ -23,6 +23,7 @@ SECTIONS = (
     training.throughput_by_length,
     parallel.context_parallel,
     memory.longest_rows,
+    memory.longest_one_document_rows,
     kernels.where_time_goes,
     parallel.all_to_alls,
     kernels.delta_rule_kernel,
