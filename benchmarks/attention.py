@@ -270,9 +270,7 @@ def main(argv=None) -> None:
     }
     result = {
         "kind": "attention",
-        "environment": records.environment_summary()
-        if hasattr(records, "environment_summary")
-        else {},
+        "environment": _environment(),
         "shape": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim},
         "checks": {},
         "results": [],
