@@ -103,7 +103,8 @@ def _measure(rank, world_size, exchange, batch, seq_len, ac, compiled, op_from, 
     from torchtitan.distributed import ParallelDims
 
     from titan_gdn import cpu
-    from titan_gdn.model import DocumentBoundaries, Qwen35Model, qwen3_5_args
+    from titan_gdn.boundaries import DocumentBoundaries
+    from titan_gdn.model import Qwen35Model, qwen3_5_args
     from titan_gdn.parallel import activation_checkpoint, context_parallel, head_sharding
     from titan_gdn.parallel.parallelize import parallelize_qwen3_5
 

@@ -14,7 +14,8 @@ from torchtitan.distributed import ParallelDims
 
 from tests.conftest import perturbed_debug_model, relative_error
 from tests.distributed import reference_and_rank_logits, run_on_ranks
-from titan_gdn.model import DocumentBoundaries, qwen3_5_args
+from titan_gdn.boundaries import DocumentBoundaries
+from titan_gdn.model import qwen3_5_args
 from titan_gdn.parallel.cp_layout import (
     apply_context_parallel_layout,
     choose_layout,

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torchtitan.protocols.model import ModelProtocol
 
+from titan_gdn.boundaries import DocumentBoundaries
 from titan_gdn.layers.attention import GatedAttention
 from titan_gdn.layers.gated_deltanet import GatedDeltaNet
 from titan_gdn.layers.mlp import FeedForward
@@ -14,7 +15,6 @@ from titan_gdn.layers.norms import ZeroCenteredRMSNorm
 from titan_gdn.layers.rope import rope_cos_sin
 from titan_gdn.loss import OutputHidden, RoutedOutput
 from titan_gdn.model.args import LINEAR_ATTENTION, Qwen35ModelArgs
-from titan_gdn.model.documents import DocumentBoundaries
 from titan_gdn.ops.attention import (
     block_mask_in_place,
     document_causal_block_mask,

@@ -23,19 +23,14 @@ Without context parallel over states there is one chunk and every method is the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_gdn.boundaries import DocumentBoundaries, padded_cu_seqlens
 from titan_gdn.ops.attention import document_causal_attention
 from titan_gdn.ops.conv import causal_conv1d_silu
 from titan_gdn.ops.delta_rule import gated_delta_rule, resolve_delta_rule_backend
-from titan_gdn.ops.documents import padded_cu_seqlens
 from titan_gdn.parallel.collectives import all_gather, from_previous_rank
-
-if TYPE_CHECKING:  # layers take boundaries; the model package imports layers
-    from titan_gdn.model.documents import DocumentBoundaries
 
 
 class StatePassing:

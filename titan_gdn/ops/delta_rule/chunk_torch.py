@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from titan_gdn.ops.documents import token_documents
+from titan_gdn.boundaries import token_documents
 
 
 def chunk_gated_delta_rule_torch(
