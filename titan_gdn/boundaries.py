@@ -134,6 +134,7 @@ class DocumentBoundaries:
     document_ids: torch.Tensor  # int32 [B, T], unique per document across the batch
     position_ids: torch.Tensor  # int64 [B, T], position inside its document (RoPE)
     block_mask: BlockMask | None = None  # document-causal flex mask, when flex attention runs
+    chunk: ChunkBoundaries | None = None  # this rank's chunk, with CP over sequence chunks
 
     @property
     def num_documents(self) -> int:
@@ -171,6 +172,57 @@ class DocumentBoundaries:
 
     def with_block_mask(self, block_mask: BlockMask) -> DocumentBoundaries:
         return dataclasses.replace(self, block_mask=block_mask)
+
+    def for_chunk(self, start: int, end: int, halo: int) -> DocumentBoundaries:
+        """These boundaries with those of the chunk [start, end) of every row (`chunk`)."""
+        chunk = ChunkBoundaries.of(self.document_ids, start, end, halo)
+        return dataclasses.replace(self, chunk=chunk)
+
+
+@dataclass
+class ChunkBoundaries:
+    """The boundaries as the mixers read them in one rank's chunk [start, end) of every row,
+    with context parallel over sequence chunks: built once per step from the whole rows' and
+    handed to every layer. Inside the chunk, a document cut by the chunk start begins at the
+    chunk's first token; the conv reads `halo` tokens from the chunk before.
+    """
+
+    start: int
+    end: int
+    halo: int
+    # int32 [B * Tc + 1]: the chunk's documents over its rows laid end to end, fixed capacity.
+    padded_cu_seqlens: torch.Tensor
+    # int32 [B * (halo + Tc) + 1]: the same over each row's halo and chunk, the halo opening the
+    # chunk's first document.
+    conv_cu_seqlens: torch.Tensor
+    # bool [B, halo]: the halo tokens of the document of the chunk's first token (none on the
+    # first chunk, which has no halo to read).
+    halo_in_document: torch.Tensor
+    # bool [N, B]: whether chunk n of each row continues the document of the chunk before.
+    continues: torch.Tensor
+
+    @classmethod
+    def of(cls, document_ids: torch.Tensor, start: int, end: int, halo: int) -> ChunkBoundaries:
+        ids, batch, size = document_ids, document_ids.shape[0], end - start
+        chunk = ids[:, start:end]
+        first = torch.ones_like(chunk[:, :1], dtype=torch.bool)
+        starts = torch.cat([first, chunk[:, 1:] != chunk[:, :-1]], dim=1)
+        conv_starts = torch.cat([first, starts.new_zeros(batch, halo), starts[:, 1:]], dim=1)
+        if start:
+            halo_in_document = ids[:, max(start - halo, 0) : start] == ids[:, start : start + 1]
+        else:
+            halo_in_document = ids.new_zeros(batch, halo, dtype=torch.bool)
+        continues = ids[:, size::size] == ids[:, size - 1 : -1 : size]
+        continues = torch.cat([torch.zeros_like(continues[:, :1]), continues], dim=1).T
+        return cls(
+            start=start,
+            end=end,
+            halo=halo,
+            padded_cu_seqlens=padded_cu_seqlens(starts),
+            conv_cu_seqlens=padded_cu_seqlens(conv_starts),
+            halo_in_document=halo_in_document,
+            continues=continues,
+        )
 
 
 def _row_starts(after_eos: torch.Tensor) -> torch.Tensor:

@@ -178,5 +178,4 @@ def apply_context_parallel_layout(
     for layer in model.layers.values():
         layer.mixer.heads = heads
         layer.mixer.states = states
-    # Read by the batch preparation: the attention mask is built for this chunk's queries.
     model.state_passing = states
