@@ -71,14 +71,7 @@ FLOORS = [
         ],
     ),
     ("ops", ["titan_gdn.ops"]),
-    (
-        "parallel placements the forward calls",
-        [
-            "titan_gdn.parallel.collectives",
-            "titan_gdn.parallel.head_sharding",
-            "titan_gdn.parallel.state_passing",
-        ],
-    ),
+    ("placements the forward calls", ["titan_gdn.placements"]),
     ("layers", ["titan_gdn.layers"]),
     ("model", ["titan_gdn.model", "titan_gdn.loss"]),
     ("parallel setup", ["titan_gdn.parallel"]),

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 # The mixers call the ops through their sequence placement (`StatePassing`).
-import titan_gdn.parallel.state_passing as mixer_ops
+import titan_gdn.placements.state_passing as mixer_ops
 from tests.conftest import perturb_norms_and_gates, relative_error
 from tests.hf_reference import tiny_hf_config
 from titan_gdn.boundaries import DocumentBoundaries

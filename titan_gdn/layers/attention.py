@@ -8,8 +8,8 @@ from torch import nn
 from titan_gdn.boundaries import DocumentBoundaries
 from titan_gdn.layers.norms import ZeroCenteredRMSNorm
 from titan_gdn.layers.rope import apply_partial_rope
-from titan_gdn.parallel.head_sharding import NO_SHARDING
-from titan_gdn.parallel.state_passing import NO_STATE_PASSING
+from titan_gdn.placements.head_sharding import NO_SHARDING
+from titan_gdn.placements.state_passing import NO_STATE_PASSING
 
 
 class GatedAttention(nn.Module):

@@ -20,7 +20,7 @@ from titan_gdn.ops.attention import (
     document_causal_block_mask,
     resolve_attn_backend,
 )
-from titan_gdn.parallel.state_passing import NO_STATE_PASSING, StatePassing
+from titan_gdn.placements.state_passing import NO_STATE_PASSING, StatePassing
 
 
 class DecoderBlock(nn.Module):

@@ -25,8 +25,8 @@ from torchtitan.tools.logging import logger
 from titan_gdn.job_config import setting
 from titan_gdn.model.args import Qwen35ModelArgs
 from titan_gdn.parallel.context_parallel import context_parallel_problems
-from titan_gdn.parallel.head_sharding import NO_SHARDING, HeadSharding
-from titan_gdn.parallel.state_passing import NO_STATE_PASSING, StatePassing
+from titan_gdn.placements.head_sharding import NO_SHARDING, HeadSharding
+from titan_gdn.placements.state_passing import NO_STATE_PASSING, StatePassing
 
 MODES = ("auto", "heads", "states")
 MODE_SETTING = "parallelism.context_parallel_mode"

@@ -31,7 +31,7 @@ from titan_gdn.boundaries import ChunkBoundaries, DocumentBoundaries
 from titan_gdn.ops.attention import document_causal_attention
 from titan_gdn.ops.conv import causal_conv1d_silu
 from titan_gdn.ops.delta_rule import gated_delta_rule, resolve_delta_rule_backend
-from titan_gdn.parallel.collectives import all_gather, from_previous_rank
+from titan_gdn.placements.collectives import all_gather, from_previous_rank
 
 
 class StatePassing:
