@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import records
-from titan_gdn.ops.documents import padded_cu_seqlens
+from titan_gdn.boundaries import padded_cu_seqlens
 
 MODULE = "benchmarks.attention"
 

@@ -21,9 +21,9 @@ import statistics
 
 import torch
 
+from titan_gdn.boundaries import documents_and_chunks
 from titan_gdn.ops import conv, conv_backward
 from titan_gdn.ops.conv import causal_conv1d_silu
-from titan_gdn.ops.documents import documents_and_chunks
 
 CHANNELS = (6144, 8192)
 LENGTHS = (8192, 32768, 131072)

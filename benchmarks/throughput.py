@@ -257,7 +257,7 @@ def run_configuration(run: RunConfig, state: Run) -> None:
 
 def _kernel_reference(run: RunConfig, state: Run) -> dict:
     from benchmarks.references import delta_rule_kernel
-    from titan_gdn.model.documents import DocumentBoundaries
+    from titan_gdn.boundaries import DocumentBoundaries
 
     inputs, _ = state.batches(run, 1)[0]
     job = common.trainer_job_config(run, state.opts)

@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from titan_gdn.boundaries import DocumentBoundaries
 from titan_gdn.cpu import use_cpu_if_no_accelerator
-from titan_gdn.model import DocumentBoundaries
 
 
 def _free_port() -> int:

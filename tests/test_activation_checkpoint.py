@@ -20,7 +20,8 @@ from torchtitan.distributed import ParallelDims
 from tests.conftest import OpCounter, perturbed_debug_model, relative_error
 from tests.distributed import run_on_ranks
 from tests.fla_stand_in import FlaStandIn
-from titan_gdn.model import DocumentBoundaries, qwen3_5_args
+from titan_gdn.boundaries import DocumentBoundaries
+from titan_gdn.model import qwen3_5_args
 from titan_gdn.model.args import FULL_ATTENTION, LINEAR_ATTENTION
 from titan_gdn.ops import delta_rule
 from titan_gdn.ops.delta_rule import fla_op

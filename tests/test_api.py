@@ -5,7 +5,8 @@ import types
 import torch
 
 import titan_gdn  # noqa: F401  (registers the TrainSpec)
-from titan_gdn.model import DocumentBoundaries, Qwen35Model, qwen3_5_args
+from titan_gdn.boundaries import DocumentBoundaries
+from titan_gdn.model import Qwen35Model, qwen3_5_args
 
 
 def test_import_registers_the_train_spec():

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from titan_gdn.model.documents import DocumentBoundaries
+from titan_gdn.boundaries import DocumentBoundaries
 from titan_gdn.ops.attention import BLOCK_MASK_TENSORS as FIELDS
 from titan_gdn.ops.attention import (
     block_mask_in_place,

@@ -12,6 +12,7 @@ from torchtitan.distributed import ParallelDims
 
 from tests.conftest import relative_error
 from tests.distributed import run_on_ranks
+from titan_gdn.boundaries import DocumentBoundaries
 from titan_gdn.loss import (
     OutputHidden,
     build_qwen3_5_loss,
@@ -19,7 +20,7 @@ from titan_gdn.loss import (
     chunked_cross_entropy,
     qwen3_5_loss,
 )
-from titan_gdn.model import DocumentBoundaries, Qwen35Model, qwen3_5_args
+from titan_gdn.model import Qwen35Model, qwen3_5_args
 from titan_gdn.parallel.parallelize import parallelize_qwen3_5
 
 EOS = 0

@@ -16,12 +16,12 @@ from torchtitan.distributed import ParallelDims
 
 from tests.conftest import relative_error
 from tests.distributed import run_on_ranks
+from titan_gdn.boundaries import DocumentBoundaries, documents_and_chunks
 from titan_gdn.layers.rope import rope_cos_sin
-from titan_gdn.model import DocumentBoundaries, Qwen35Model, qwen3_5_args
+from titan_gdn.model import Qwen35Model, qwen3_5_args
 from titan_gdn.model.args import FULL_ATTENTION, LINEAR_ATTENTION
 from titan_gdn.ops.conv import causal_conv1d_silu
 from titan_gdn.ops.delta_rule import gated_delta_rule
-from titan_gdn.ops.documents import documents_and_chunks
 from titan_gdn.parallel.parallelize import parallelize_qwen3_5
 
 EOS = 0

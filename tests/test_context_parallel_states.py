@@ -3,6 +3,7 @@ the logits and every parameter gradient of cp = N equal those of one process (gl
 in fp64, to 1e-5 in fp32 with FSDP. The split rule and its errors; compiled and checkpointed."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from torchtitan.distributed import ParallelDims
 
 from tests.conftest import perturbed_debug_model, relative_error
 from tests.distributed import reference_and_rank_logits, run_on_ranks
-from titan_gdn.model import DocumentBoundaries, qwen3_5_args
+from titan_gdn.boundaries import DocumentBoundaries
+from titan_gdn.model import qwen3_5_args
 from titan_gdn.parallel.cp_layout import (
     apply_context_parallel_layout,
     choose_layout,
@@ -101,6 +103,41 @@ def _check_matches_single_process(rank, world_size, dp_shard, cp, mode, heads_de
 )
 def test_state_passing_equals_single_process(dp_shard, cp, heads_degree):
     run_on_ranks(dp_shard * cp, _check_matches_single_process, dp_shard, cp, "states", heads_degree)
+
+
+def _count_chunk_boundaries(rank, world_size):
+    """Every derivation of fixed-capacity cu_seqlens in titan_gdn during one forward, counted."""
+    model = perturbed_debug_model(**NARROW_HEADS)
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=1, cp=world_size, tp=1, pp=1, ep=1, etp=1, world_size=world_size
+    )
+    dims.build_mesh()
+    layout = choose_layout(model.model_args, world_size, "states")
+    apply_context_parallel_layout(model, dims.get_mesh("cp"), layout)
+    inputs = _global_batch(rows=2)[:, :-1]
+    docs = DocumentBoundaries.from_tokens(inputs, EOS)
+    calls = []
+
+    def counted(derive):
+        def wrapper(*args, **kwargs):
+            calls.append(derive)
+            return derive(*args, **kwargs)
+
+        return wrapper
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("titan_gdn") and hasattr(module, "padded_cu_seqlens"):
+            module.padded_cu_seqlens = counted(module.padded_cu_seqlens)
+    chunk = SEQ_LEN // world_size
+    model(inputs[:, rank * chunk : (rank + 1) * chunk], attention_masks=docs)
+    gdn_layers = model.model_args.layer_types.count("linear_attention")
+    assert gdn_layers > 1
+    # The chunk's boundaries and the conv's (over halo and chunk): once per forward, not per layer.
+    assert len(calls) == 2, f"{len(calls)} derivations for {gdn_layers} GDN layers"
+
+
+def test_a_chunks_boundaries_are_built_once_per_forward():
+    run_on_ranks(2, _count_chunk_boundaries)
 
 
 def test_auto_picks_heads_within_a_node_and_states_beyond():

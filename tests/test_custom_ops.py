@@ -98,8 +98,7 @@ def test_document_chunks_are_fla_s_chunk_indices():
     documents, documents across chunk boundaries and the fixed-capacity padding."""
     from fla.ops.utils.index import prepare_chunk_indices
 
-    from titan_gdn.model import DocumentBoundaries
-    from titan_gdn.ops.documents import FLA_CHUNK_SIZE, documents_and_chunks
+    from titan_gdn.boundaries import FLA_CHUNK_SIZE, DocumentBoundaries, documents_and_chunks
 
     generator = torch.Generator().manual_seed(torch.seed())
     for _ in range(30):

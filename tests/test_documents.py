@@ -1,8 +1,8 @@
-"""The per-token document lookup the ops share (titan_gdn.ops.documents)."""
+"""The per-token document lookup the ops share (titan_gdn.boundaries)."""
 
 import torch
 
-from titan_gdn.ops.documents import cached_token_document_starts, token_documents
+from titan_gdn.boundaries import cached_token_document_starts, token_documents
 
 
 def _random_boundaries(generator):

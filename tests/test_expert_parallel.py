@@ -11,8 +11,9 @@ from torchtitan.distributed import ParallelDims
 
 from tests.conftest import perturbed_debug_model, relative_error
 from tests.distributed import rank_rows_and_tokens, run_on_ranks
+from titan_gdn.boundaries import DocumentBoundaries
 from titan_gdn.loss import qwen3_5_loss
-from titan_gdn.model import DocumentBoundaries, Qwen35Model, qwen3_5_args
+from titan_gdn.model import Qwen35Model, qwen3_5_args
 from titan_gdn.parallel.expert_parallel import expert_parallel_problems
 from titan_gdn.parallel.parallelize import parallelize_qwen3_5
 from titan_gdn.validation import configuration_problems

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tests.conftest import OpCounter
 from tests.distributed import run_on_ranks
-from titan_gdn.parallel.head_sharding import HeadSharding
+from titan_gdn.placements.head_sharding import HeadSharding
 
 GROUPS, SEQ_LEN, CHANNELS = 4, 8, 5
 EXCHANGE = torch.ops._dtensor.shard_dim_alltoall.default

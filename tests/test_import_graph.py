@@ -1,6 +1,7 @@
-"""titan_gdn's modules import each other without cycles, imports inside functions included: a
-cycle hidden in a function-level import still couples the two modules (model args must stay
-data that the parallel and FLOP-counting code read, not code that calls back into them)."""
+"""titan_gdn's modules import each other without cycles and only downward through the floors,
+imports inside functions included: a cycle or an upward import hidden in a function-level import
+still couples the two modules (model args must stay data that the parallel and FLOP-counting code
+read, not code that calls back into them)."""
 
 import ast
 from pathlib import Path
@@ -69,6 +70,63 @@ def _outside_the_model_package(graph: dict[str, set[str]]) -> set[str]:
     (`titan_gdn.job_config`, which imports nothing)."""
     reached = _reachable(graph, "titan_gdn.model.args")
     return {m for m in reached if not m.startswith("titan_gdn.model.")} - {"titan_gdn.job_config"}
+
+
+# The floors, lowest first: a module imports from its own floor or the ones below. A module's
+# floor is that of the longest prefix listed; the top floor (setup of a run: trainer, data,
+# checkpoints, config checks) holds the rest.
+FLOORS = [
+    (
+        "ground: document boundaries, model args as data",
+        [
+            "titan_gdn.boundaries",
+            "titan_gdn.model.args",
+            "titan_gdn.model.hf_config",
+            "titan_gdn.model.job_checks",
+            "titan_gdn.model.flops",
+            "titan_gdn.model.layer_types",
+            "titan_gdn.job_config",
+            "titan_gdn.cpu",
+            "titan_gdn.config_check",
+        ],
+    ),
+    ("ops", ["titan_gdn.ops"]),
+    ("placements the forward calls", ["titan_gdn.placements"]),
+    ("layers", ["titan_gdn.layers"]),
+    ("model", ["titan_gdn.model", "titan_gdn.loss"]),
+    ("parallel setup", ["titan_gdn.parallel"]),
+    ("run setup and trainer", ["titan_gdn"]),
+]
+
+
+def _floor(module: str, floors=FLOORS) -> int:
+    matches = [
+        (len(prefix), level)
+        for level, (_, prefixes) in enumerate(floors)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    return max(matches)[1]
+
+
+def _upward_imports(graph: dict[str, set[str]], floors=FLOORS) -> list[str]:
+    return [
+        f"{module} ({floors[_floor(module, floors)][0]}) imports {target} "
+        f"({floors[_floor(target, floors)][0]})"
+        for module in sorted(graph)
+        for target in sorted(graph[module])
+        if _floor(target, floors) > _floor(module, floors)
+    ]
+
+
+def test_titan_gdn_modules_import_only_down_the_floors():
+    assert _upward_imports(_graph()) == []
+
+
+def test_the_check_finds_an_upward_import():
+    floors = [("ground", ["pkg.ground"]), ("ops", ["pkg.ops"]), ("top", ["pkg"])]
+    graph = {"pkg.ops.conv": {"pkg.ground"}, "pkg.ground": {"pkg.ops.conv"}, "pkg.train": set()}
+    assert _upward_imports(graph, floors) == ["pkg.ground (ground) imports pkg.ops.conv (ops)"]
 
 
 def test_no_import_cycles_between_titan_gdn_modules():

@@ -10,8 +10,9 @@ from torchtitan.components.loss import IGNORE_INDEX
 from benchmarks.references import transformers_qwen3_5_module
 from tests.conftest import relative_error
 from tests.hf_reference import random_hf_moe_model, tiny_moe_hf_config
+from titan_gdn.boundaries import DocumentBoundaries
 from titan_gdn.loss import RoutedOutput, qwen3_5_loss
-from titan_gdn.model import DocumentBoundaries, Qwen35Model, Qwen35ModelArgs
+from titan_gdn.model import Qwen35Model, Qwen35ModelArgs
 from titan_gdn.model import Qwen35StateDictAdapter as Adapter
 
 FAMILIES = ["qwen3_5_moe", "qwen3_next"]

@@ -4,10 +4,11 @@ import pytest
 import torch
 
 # The mixers call the ops through their sequence placement (`StatePassing`).
-import titan_gdn.parallel.state_passing as mixer_ops
+import titan_gdn.placements.state_passing as mixer_ops
 from tests.conftest import perturb_norms_and_gates, relative_error
 from tests.hf_reference import tiny_hf_config
-from titan_gdn.model import DocumentBoundaries, Qwen35Model, Qwen35ModelArgs
+from titan_gdn.boundaries import DocumentBoundaries
+from titan_gdn.model import Qwen35Model, Qwen35ModelArgs
 
 EOS = 0
 DOC_LENGTHS = [1, 37, 150, 64, 1, 90, 23]  # length 1, not multiples of 64, one > 128

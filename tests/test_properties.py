@@ -4,9 +4,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titan_gdn.model import DocumentBoundaries
+from titan_gdn.boundaries import DocumentBoundaries
 from titan_gdn.parallel.context_parallel import shard_sequence
-from titan_gdn.parallel.head_sharding import HeadSharding
+from titan_gdn.placements.head_sharding import HeadSharding
 
 EOS = 0
 

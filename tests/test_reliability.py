@@ -779,7 +779,7 @@ def test_a_corpus_of_only_empty_documents_fails_instead_of_spinning(tmp_path):
 
 
 def test_a_document_longer_than_a_row_is_split_and_a_row_without_eos_is_one_document(tmp_path):
-    from titan_gdn.model import DocumentBoundaries
+    from titan_gdn.boundaries import DocumentBoundaries
 
     rng = random.Random()
     seq_len = 32

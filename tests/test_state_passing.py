@@ -12,6 +12,7 @@ from tests.test_delta_rule import (
     output_and_grads,
     random_inputs,
 )
+from titan_gdn.boundaries import padded_cu_seqlens
 from titan_gdn.ops.delta_rule.chunk_torch import chunk_gated_delta_rule_torch_with_states
 from titan_gdn.ops.delta_rule.naive import recurrent_gated_delta_rule
 from titan_gdn.ops.delta_rule.state_passing import (
@@ -19,7 +20,6 @@ from titan_gdn.ops.delta_rule.state_passing import (
     affine_gated_delta_rule,
     incoming_states,
 )
-from titan_gdn.ops.documents import padded_cu_seqlens
 
 # T = 400: documents cross the chunk boundaries at 100 and 300 (cp = 4), one starts exactly at
 # 200, one holds the whole chunk 300..400 and one token documents sit at the start.

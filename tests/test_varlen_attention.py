@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import relative_error
-from titan_gdn.model.documents import DocumentBoundaries
+from titan_gdn.boundaries import DocumentBoundaries
 from titan_gdn.ops.attention import document_causal_attention
 from titan_gdn.ops.varlen_attention import segments
 

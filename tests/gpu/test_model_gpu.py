@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.conftest import relative_error
-from titan_gdn.model import DocumentBoundaries, Qwen35Model, qwen3_5_args
+from titan_gdn.boundaries import DocumentBoundaries
+from titan_gdn.model import Qwen35Model, qwen3_5_args
 from titan_gdn.ops.attention import document_causal_attention, document_causal_block_mask
 from titan_gdn.ops.conv import causal_conv1d_silu
 

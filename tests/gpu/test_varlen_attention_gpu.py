@@ -9,7 +9,7 @@ import torch
 
 from tests.conftest import relative_error
 from tests.test_varlen_attention import EOS, packed_rows
-from titan_gdn.model.documents import DocumentBoundaries
+from titan_gdn.boundaries import DocumentBoundaries
 from titan_gdn.ops.attention import document_causal_attention
 from titan_gdn.ops.varlen_attention import segments
 

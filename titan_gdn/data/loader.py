@@ -9,8 +9,8 @@ from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
 
-from titan_gdn.data.documents import build_document_source
 from titan_gdn.data.packing import PackedDocumentDataset, documents_per_row
+from titan_gdn.data.sources import build_document_source
 from titan_gdn.metrics import TRAINING_DOCUMENTS, DocumentTally
 
 

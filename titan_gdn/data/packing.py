@@ -9,7 +9,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.tools.logging import logger
 
-from titan_gdn.data.documents import DocumentSource
+from titan_gdn.data.sources import DocumentSource
 
 Sample = tuple[dict[str, torch.Tensor], torch.Tensor]
 

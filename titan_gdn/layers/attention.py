@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
+from titan_gdn.boundaries import DocumentBoundaries
 from titan_gdn.layers.norms import ZeroCenteredRMSNorm
 from titan_gdn.layers.rope import apply_partial_rope
-from titan_gdn.parallel.head_sharding import NO_SHARDING
-from titan_gdn.parallel.state_passing import NO_STATE_PASSING
-
-if TYPE_CHECKING:  # layers take boundaries; the model package imports layers
-    from titan_gdn.model.documents import DocumentBoundaries
+from titan_gdn.placements.head_sharding import NO_SHARDING
+from titan_gdn.placements.state_passing import NO_STATE_PASSING
 
 
 class GatedAttention(nn.Module):

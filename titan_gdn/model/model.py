@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torchtitan.protocols.model import ModelProtocol
 
+from titan_gdn.boundaries import DocumentBoundaries
 from titan_gdn.layers.attention import GatedAttention
 from titan_gdn.layers.gated_deltanet import GatedDeltaNet
 from titan_gdn.layers.mlp import FeedForward
@@ -14,12 +15,12 @@ from titan_gdn.layers.norms import ZeroCenteredRMSNorm
 from titan_gdn.layers.rope import rope_cos_sin
 from titan_gdn.loss import OutputHidden, RoutedOutput
 from titan_gdn.model.args import LINEAR_ATTENTION, Qwen35ModelArgs
-from titan_gdn.model.documents import DocumentBoundaries
 from titan_gdn.ops.attention import (
     block_mask_in_place,
     document_causal_block_mask,
     resolve_attn_backend,
 )
+from titan_gdn.placements.state_passing import NO_STATE_PASSING, StatePassing
 
 
 class DecoderBlock(nn.Module):
@@ -79,6 +80,10 @@ class Qwen35Model(ModelProtocol):
         # Where the attention masks keep their tensors from batch to batch, for compiled blocks
         # replayed as CUDA graphs (set by parallelize with compile.cudagraphs); None: new ones.
         self.block_mask_storage: dict | None = None
+        # Where every mixer's sequence lives (set by parallelize with context parallel over
+        # sequence chunks): the forward builds the chunk's boundaries from it once for every
+        # layer, and the batch preparation builds the attention mask for the chunk's queries.
+        self.state_passing: StatePassing = NO_STATE_PASSING
         self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
         self.layers = nn.ModuleDict(
             {
@@ -135,8 +140,9 @@ class Qwen35Model(ModelProtocol):
         docs = attention_masks
         if docs is None:
             docs = DocumentBoundaries.whole_rows(*tokens.shape, device=tokens.device)
-        h = _in_autocast_dtype(self.tok_embeddings(tokens))
         args = self.model_args
+        docs = self.state_passing.boundaries(docs, halo=args.linear_conv_kernel_dim - 1)
+        h = _in_autocast_dtype(self.tok_embeddings(tokens))
         rope = rope_cos_sin(docs.position_ids, args.rotary_dim, args.rope_theta, h.dtype)
         probs, experts = [], []
         for layer in self.layers.values():

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from titan_gdn.ops.backends import resolve_backend
-from titan_gdn.ops.custom_op import input_saving_op
-from titan_gdn.ops.documents import (
+from titan_gdn.boundaries import (
     cached_documents_and_chunks,
     token_document_starts,
     token_documents,
 )
+from titan_gdn.ops.backends import resolve_backend
+from titan_gdn.ops.custom_op import input_saving_op
 
 CONV_BACKENDS = ("causal_conv1d", "fla", "torch")
 
@@ -34,7 +34,7 @@ def causal_conv1d_silu(
 
     No output reads an input of an earlier document: the taps that would reach before the
     document start see zeros, as if every document were convolved alone. `cu_seqlens` may
-    end in empty documents (a fixed-capacity cu_seqlens, see `titan_gdn.ops.documents`).
+    end in empty documents (a fixed-capacity cu_seqlens, see `titan_gdn.boundaries`).
     """
     if x.shape[0] != 1:
         raise ValueError(f"causal_conv1d_silu expects packed input [1, L, C], got {tuple(x.shape)}")

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_gdn.ops.documents import cached_token_document_starts
+from titan_gdn.boundaries import cached_token_document_starts
 
 TAPS = 4  # the windows are written out for this width
 # Rows per chunk, channels per program and warps (`python -m benchmarks.conv_backends --tilings`).

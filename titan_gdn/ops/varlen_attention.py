@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from titan_gdn.boundaries import boundaries_memo, host_boundaries
 from titan_gdn.ops.custom_op import OUTSIDE_CUDA_GRAPHS, recording_autograd
-from titan_gdn.ops.documents import boundaries_memo, host_boundaries
 
 
 class Segments(NamedTuple):

@@ -29,7 +29,7 @@ from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 # Imported for their side effect too: the ops below are registered on import.
 from titan_gdn.ops import delta_rule  # noqa: F401
 from titan_gdn.ops.delta_rule import fla_cp_op, state_passing  # noqa: F401
-from titan_gdn.parallel import collectives  # noqa: F401
+from titan_gdn.placements import collectives  # noqa: F401
 
 OPS_TO_SAVE = _op_sac_save_list | {
     torch.ops.titan_gdn.gated_delta_rule_fla.default,

@@ -16,7 +16,6 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_gdn.model.args import Qwen35ModelArgs
-from titan_gdn.parallel.head_sharding import HeadSharding
 
 
 def context_parallel_problems(args: Qwen35ModelArgs, degree: int) -> list[str]:
@@ -46,16 +45,6 @@ def context_parallel_problems(args: Qwen35ModelArgs, degree: int) -> list[str]:
             "choose a degree that divides it or a multiple of it that divides n_heads"
         )
     return problems
-
-
-def apply_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Place every mixer's heads on `cp_mesh`: from now on they run head-sharded."""
-    problems = context_parallel_problems(model.model_args, cp_mesh.size())
-    if problems:
-        raise ValueError("context parallel cannot shard this model: " + "; ".join(problems))
-    sharding = HeadSharding(cp_mesh)
-    for layer in model.layers.values():
-        layer.mixer.heads = sharding
 
 
 def shard_sequence(tensor: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:

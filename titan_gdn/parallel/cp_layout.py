@@ -24,9 +24,9 @@ from torchtitan.tools.logging import logger
 
 from titan_gdn.job_config import setting
 from titan_gdn.model.args import Qwen35ModelArgs
-from titan_gdn.parallel.context_parallel import apply_context_parallel, context_parallel_problems
-from titan_gdn.parallel.head_sharding import NO_SHARDING, HeadSharding
-from titan_gdn.parallel.state_passing import StatePassing
+from titan_gdn.parallel.context_parallel import context_parallel_problems
+from titan_gdn.placements.head_sharding import NO_SHARDING, HeadSharding
+from titan_gdn.placements.state_passing import NO_STATE_PASSING, StatePassing
 
 MODES = ("auto", "heads", "states")
 MODE_SETTING = "parallelism.context_parallel_mode"
@@ -164,19 +164,16 @@ def split_cp_mesh(cp_mesh: DeviceMesh, layout: ContextParallelLayout):
 def apply_context_parallel_layout(
     model: torch.nn.Module, cp_mesh: DeviceMesh, layout: ContextParallelLayout
 ) -> None:
-    """Place every mixer on `cp_mesh` as `layout` splits it."""
+    """Place every mixer on `cp_mesh` as `layout` splits it: its head groups over the heads
+    dimension (`HeadSharding`), its sequence over the states dimension (`StatePassing`)."""
     logger.info(f"Context parallel over {cp_mesh.size()} ranks: {layout} ({layout.reason})")
-    if layout.states == 1:
-        apply_context_parallel(model, cp_mesh)
-        return
-    heads_mesh, states_mesh = split_cp_mesh(cp_mesh, layout)
     problems = context_parallel_problems(model.model_args, layout.heads)
     if problems:
         raise ValueError("context parallel cannot shard this model: " + "; ".join(problems))
+    heads_mesh, states_mesh = split_cp_mesh(cp_mesh, layout)
     heads = NO_SHARDING if heads_mesh is None else HeadSharding(heads_mesh)
-    states = StatePassing(states_mesh)
+    states = NO_STATE_PASSING if states_mesh is None else StatePassing(states_mesh)
     for layer in model.layers.values():
         layer.mixer.heads = heads
         layer.mixer.states = states
-    # Read by the batch preparation: the attention mask is built for this chunk's queries.
     model.state_passing = states

@@ -46,7 +46,7 @@ def gated_delta_rule(
     q, k: [1, T, Hk, Dk]; v: [1, T, Hv, Dv], Hv a multiple of Hk (value head j reads key head
     j // (Hv // Hk)); g: [1, T, Hv] log-decay <= 0 (fp32); beta: [1, T, Hv] in (0, 1);
     cu_seqlens: int32 [N + 1] document boundaries from 0 to T, on q's device; documents may
-    be empty, as the padding of a fixed-capacity cu_seqlens is (see `titan_gdn.ops.documents`).
+    be empty, as the padding of a fixed-capacity cu_seqlens is (see `titan_gdn.boundaries`).
 
     q and k are L2-normalised over Dk (x * rsqrt(sum x^2 + 1e-6), fp32) and q is scaled by
     `scale` (default Dk ** -0.5). Per value head, with a [Dk, Dv] state S zeroed at every

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from titan_gdn.boundaries import token_documents
 from titan_gdn.ops.delta_rule.inputs import per_value_head
-from titan_gdn.ops.documents import token_documents
 
 
 def chunk_gated_delta_rule_torch(

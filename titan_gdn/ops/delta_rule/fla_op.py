@@ -26,8 +26,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from titan_gdn.boundaries import FLA_CHUNK_SIZE, cached_documents_and_chunks
 from titan_gdn.ops.custom_op import register_op
-from titan_gdn.ops.documents import FLA_CHUNK_SIZE, cached_documents_and_chunks
 from titan_gdn.ops.local_memory import release_after_first_use
 
 # FLA's default chunk size for the gated delta rule; A is [1, T, Hv, CHUNK_SIZE].

@@ -15,27 +15,23 @@ the sequence length:
 - attention: an all-gather of K and V (2 to 4 KV heads in Qwen3.5, so small next to Q), each
   rank's queries against the keys up to its chunk's end under the global document mask.
 
-Document boundaries stay global (`DocumentBoundaries` of the whole row): each op reads the
-chunk's own boundaries, where a document cut by the chunk start begins at the chunk's first
-token. Gradients flow back through each exchange (the collectives' backward is their adjoint).
-Without context parallel over states there is one chunk and every method is the plain op.
+Document boundaries stay global (`DocumentBoundaries` of the whole row), with the chunk's own
+(`ChunkBoundaries`, where a document cut by the chunk start begins at the chunk's first token)
+built once per step by `boundaries` and read by every layer. Gradients flow back through each
+exchange (the collectives' backward is their adjoint). Without context parallel over states there
+is one chunk and every method is the plain op.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_gdn.boundaries import ChunkBoundaries, DocumentBoundaries
 from titan_gdn.ops.attention import document_causal_attention
 from titan_gdn.ops.conv import causal_conv1d_silu
 from titan_gdn.ops.delta_rule import gated_delta_rule, resolve_delta_rule_backend
-from titan_gdn.ops.documents import padded_cu_seqlens
-from titan_gdn.parallel.collectives import all_gather, from_previous_rank
-
-if TYPE_CHECKING:  # layers take boundaries; the model package imports layers
-    from titan_gdn.model.documents import DocumentBoundaries
+from titan_gdn.placements.collectives import all_gather, from_previous_rank
 
 
 class StatePassing:
@@ -57,6 +53,14 @@ class StatePassing:
         start, end = self.chunk(x.shape[1])
         return x[:, start:end]
 
+    def boundaries(self, docs: DocumentBoundaries, halo: int) -> DocumentBoundaries:
+        """The whole rows' boundaries with this rank's chunk's (`docs.chunk`, the conv reading
+        `halo` tokens before it): what every layer of the step reads. Without context parallel
+        over states, `docs` as they are."""
+        if self.mesh is None:
+            return docs
+        return docs.for_chunk(*self.chunk(docs.document_ids.shape[1]), halo)
+
     def causal_conv1d_silu(self, x, weight, docs: DocumentBoundaries, backend):
         """The GDN conv of x [1, B * Tc, C] (this rank's chunk of every row, end to end).
 
@@ -66,24 +70,24 @@ class StatePassing:
         """
         if self.mesh is None:
             return causal_conv1d_silu(x, weight, docs.padded_cu_seqlens, backend)
+        chunk = _chunk(docs)
         halo = weight.shape[1] - 1
-        ids = docs.document_ids
-        batch, (start, end) = ids.shape[0], self.chunk(ids.shape[1])
-        rows = x.view(batch, end - start, -1)
+        if chunk.halo != halo:
+            raise ValueError(
+                f"the chunk's boundaries were built for a conv halo of {chunk.halo} tokens, "
+                f"the conv weight reads {halo}: build them with linear_conv_kernel_dim - 1"
+            )
+        rows = x.view(docs.document_ids.shape[0], chunk.end - chunk.start, -1)
         if halo:
             # The previous chunk's last K - 1 tokens, zero where they are of another document
             # than this chunk's first token (and on the first rank, which has none).
             before = from_previous_rank(rows[:, -halo:], self.group_name, 1)
-            same = ids[:, max(start - halo, 0) : start] == ids[:, start : start + 1]
-            same = same if start else ids.new_zeros(batch, halo, dtype=torch.bool)
-            rows = torch.cat([before * same[..., None].to(before.dtype), rows], dim=1)
-        # The halo opens the chunk's first document: zeros where another document's were.
-        starts = self._chunk_starts(docs)
-        starts = torch.cat([starts[:, :1], starts.new_zeros(batch, halo), starts[:, 1:]], dim=1)
+            same = chunk.halo_in_document[..., None].to(before.dtype)
+            rows = torch.cat([before * same, rows], dim=1)
         out = causal_conv1d_silu(
-            rows.reshape(1, -1, rows.shape[-1]), weight, padded_cu_seqlens(starts), backend
+            rows.reshape(1, -1, rows.shape[-1]), weight, chunk.conv_cu_seqlens, backend
         )
-        return out.view(batch, -1, out.shape[-1])[:, halo:].reshape(x.shape)
+        return out.view(rows.shape[0], -1, out.shape[-1])[:, halo:].reshape(x.shape)
 
     def gated_delta_rule(self, q, k, v, g, beta, docs: DocumentBoundaries, backend):
         """The gated delta rule of this rank's chunk of every row ([1, B * Tc, ...] inputs), the
@@ -99,12 +103,12 @@ class StatePassing:
             )
         from titan_gdn.ops.delta_rule import state_passing
 
-        cu_seqlens = padded_cu_seqlens(self._chunk_starts(docs))
+        chunk = _chunk(docs)
         outputs, summary = state_passing.affine_gated_delta_rule(
-            q, k, v, g, beta, cu_seqlens, batch, None
+            q, k, v, g, beta, chunk.padded_cu_seqlens, batch, None
         )
         summaries = all_gather(summary, self.group_name)
-        state = state_passing.incoming_states(summaries, self._carry(docs), self.rank)
+        state = state_passing.incoming_states(summaries, chunk.continues, self.rank)
         return state_passing.add_incoming_state(outputs, state)
 
     def attention(self, q, k, v, docs: DocumentBoundaries, backend):
@@ -120,7 +124,7 @@ class StatePassing:
                 backend,
                 cu_seqlens=docs.padded_cu_seqlens,
             )
-        start, _ = self.chunk(docs.document_ids.shape[1])
+        start = _chunk(docs).start
         # Only the chunks up to this one hold keys a query here may see.
         k, v = (all_gather(t, self.group_name)[: self.rank + 1] for t in (k, v))
         k, v = (t.movedim(0, 2).flatten(2, 3) for t in (k, v))
@@ -131,20 +135,15 @@ class StatePassing:
             q, k, v, docs.document_ids, block_mask, backend, start, docs.padded_cu_seqlens
         )
 
-    def _chunk_starts(self, docs: DocumentBoundaries) -> torch.Tensor:
-        """[B, Tc] True where a document starts in this chunk, the chunk's first token too."""
-        start, end = self.chunk(docs.document_ids.shape[1])
-        ids = docs.document_ids[:, start:end]
-        first = torch.ones_like(ids[:, :1], dtype=torch.bool)
-        return torch.cat([first, ids[:, 1:] != ids[:, :-1]], dim=1)
 
-    def _carry(self, docs: DocumentBoundaries) -> torch.Tensor:
-        """[N, B]: whether chunk n of each row continues the document of the chunk before."""
-        ids = docs.document_ids
-        size = ids.shape[1] // self.degree
-        firsts = ids[:, size::size]
-        continues = firsts == ids[:, size - 1 : -1 : size]
-        return torch.cat([torch.zeros_like(continues[:, :1]), continues], dim=1).T
+def _chunk(docs: DocumentBoundaries) -> ChunkBoundaries:
+    if docs.chunk is None:
+        raise ValueError(
+            "context parallel over sequence chunks reads the chunk's boundaries (docs.chunk): "
+            "pass the model the whole rows' DocumentBoundaries, its forward builds the chunk's "
+            "once for every layer (StatePassing.boundaries)"
+        )
+    return docs.chunk
 
 
 NO_STATE_PASSING = StatePassing()
