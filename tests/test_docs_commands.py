@@ -11,8 +11,10 @@ Every ```bash block on those pages is preceded by a marker comment saying how it
 The cpu blocks of all pages run in one copy of the checkout (its tracked and untracked,
 not ignored files), page after page and in page order, so a block may use what an earlier
 block of its page wrote; a block whose text already ran (the quickstart, on two pages) runs
-once. Only exit codes are checked (and the files a recipe promises): the quickstart's output
-and losses are free to change.
+once. That copy is the one in which the quickstart ran (tests/conftest.py's `quickstart`,
+whose exit code it checks and whose output tests/test_quickstart.py checks), so the quickstart
+counts as run. Only exit codes are checked (and the files a recipe promises): the quickstart's
+output and losses are free to change.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import copy_checkout
+from tests.conftest import QUICKSTART
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -142,10 +144,9 @@ def test_relative_links_point_at_files_and_headings():
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("docs_commands") / "repo"
-    copy_checkout(root)
-    return {"root": root, "ran": set()}
+def workspace(quickstart):
+    root, _ = quickstart
+    return {"root": root, "ran": {QUICKSTART}}
 
 
 def _run_block(root: Path, body: str) -> subprocess.CompletedProcess:
