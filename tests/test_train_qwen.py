@@ -187,35 +187,54 @@ def _five_steps_from_one_seed_checkpoint(train_ok, tmp_path) -> tuple[str, ...]:
     )  # fmt: skip
 
 
-def test_context_parallel_run_gives_the_losses_of_the_single_process_run(tmp_path):
-    """run_train.sh with cp=2 (2 ranks) vs cp=1 (1 rank), both from one seed checkpoint (on a
-    CPU mesh sharded init differs by rank count) and the same global batch."""
-    common = _five_steps_from_one_seed_checkpoint(_train_ok, tmp_path)
-    _, single = _train_ok(tmp_path / "cp1", *common)
+@pytest.fixture(scope="module")
+def single_process_from_seed(tmp_path_factory):
+    """The run the context-parallel runs must reproduce: one process, 5 steps from a seed
+    checkpoint (on a CPU mesh sharded init differs by rank count). Returns the arguments that
+    train 5 steps from that seed, the run's logged steps and its losses (TensorBoard, by step)."""
+    root = tmp_path_factory.mktemp("from_seed")
+    common = _five_steps_from_one_seed_checkpoint(_train_ok, root)
+    _, single = _train_ok(root / "cp1", *common)
+    return common, single, _tensorboard(root / "cp1")["loss_metrics/global_avg_loss"]
+
+
+def test_context_parallel_run_gives_the_losses_of_the_single_process_run(
+    single_process_from_seed, tmp_path
+):
+    """run_train.sh with cp=2 (2 ranks) vs cp=1 (1 rank), both from one seed checkpoint and the
+    same global batch."""
+    common, single, reference = single_process_from_seed
     _, sharded = _train_ok(
         tmp_path / "cp2", *common, "--parallelism.context_parallel_degree", "2", ngpu=2
     )
     assert sorted(single) == sorted(sharded) == [1, 2, 3, 4, 5]
-    reference = _tensorboard(tmp_path / "cp1")["loss_metrics/global_avg_loss"]
     losses = _tensorboard(tmp_path / "cp2")["loss_metrics/global_avg_loss"]
     for step, loss in reference.items():
         assert abs(losses[step] - loss) <= 1e-4 * loss, (step, losses[step], loss)
     assert losses[5] < losses[1]
 
 
-def test_eight_rank_context_parallel_run_gives_the_losses_of_the_single_process_run(tmp_path):
+def test_eight_rank_context_parallel_run_gives_the_losses_of_the_single_process_run(
+    single_process_from_seed, tmp_path
+):
     """run_train.sh at cp=8 with the default settings: the debug model's 4 key heads do not
     split 8 ways, so `context_parallel_mode = "auto"` runs heads 4 x states 2 (logged), and the
-    losses are cp=1's from one seed checkpoint (3 steps: eight processes on two cores are slow)."""
-    common = (*_five_steps_from_one_seed_checkpoint(_train_ok, tmp_path), "--training.steps", "3")
-    _train_ok(tmp_path / "cp1", *common)
+    losses are cp=1's from one seed checkpoint: the first 3 of its 5 steps, on the same 5-step
+    learning-rate schedule (eight processes on two cores are slow)."""
+    common, _, single = single_process_from_seed
     # Eight processes on the CI's two cores: slower to start than the others.
     output, sharded = _train_ok(
-        tmp_path / "cp8", *common, "--parallelism.context_parallel_degree", "8", ngpu=8, timeout=900
-    )
+        tmp_path / "cp8",
+        *common,
+        "--training.steps", "3",
+        "--lr_scheduler.total_steps", "5",
+        "--parallelism.context_parallel_degree", "8",
+        ngpu=8,
+        timeout=900,
+    )  # fmt: skip
     assert "Context parallel over 8 ranks: heads 4 x states 2" in output
     assert sorted(sharded) == [1, 2, 3]
-    reference = _tensorboard(tmp_path / "cp1")["loss_metrics/global_avg_loss"]
+    reference = {step: loss for step, loss in single.items() if step <= 3}
     losses = _tensorboard(tmp_path / "cp8")["loss_metrics/global_avg_loss"]
     for step, loss in reference.items():
         assert abs(losses[step] - loss) <= 1e-4 * loss, (step, losses[step], loss)
