@@ -2,6 +2,7 @@ import copy
 import os
 import shutil
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -96,6 +97,32 @@ def copy_checkout(destination: Path) -> None:
             target = destination / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
+
+
+def run_as_a_user(command: list[str], cwd: Path) -> tuple[int, str]:
+    """`command` in `cwd` as a user runs it from a shell: PYTHONPATH unset (run_train.sh puts
+    its own folder first), no NGPU, this interpreter's `python` first on PATH."""
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "NGPU")}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    return result.returncode, result.stdout + result.stderr
+
+
+# The README's quickstart.
+QUICKSTART = "./run_train.sh"
+
+
+@pytest.fixture(scope="session")
+def quickstart(tmp_path_factory) -> tuple[Path, str]:
+    """A copy of the checkout in which the README's quickstart ran, as a user's first run
+    (it writes the copy's outputs/debug_model): (the copy, the run's output). Run once per
+    session: tests/test_quickstart.py checks the run, tests/test_docs_commands.py runs the
+    pages' other commands in the same copy."""
+    checkout = tmp_path_factory.mktemp("quickstart")
+    copy_checkout(checkout)
+    code, output = run_as_a_user([QUICKSTART], checkout)
+    assert code == 0, output[-6000:]
+    return checkout, output
 
 
 @pytest.fixture(scope="session")

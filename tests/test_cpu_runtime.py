@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -99,37 +100,36 @@ def _train(config: Path, ngpu: int, *overrides: str):
 
 @pytest.fixture(scope="module")
 def train_from_seed(tmp_path_factory):
-    """Train with NGPU ranks from one seed checkpoint (once per NGPU); return the step log.
+    """Train with NGPU = 1 and 2 ranks from one seed checkpoint; return the step log by NGPU.
 
     A seed checkpoint makes runs comparable: on a CPU mesh DTensor's RNG is not
-    shard-aware, so weights initialised under FSDP differ from single-process ones.
+    shard-aware, so weights initialised under FSDP differ from single-process ones. The two
+    runs start together: the one-process run leaves a core free most of the time.
     """
     root = tmp_path_factory.mktemp("cpu_runtime")
     config = _config(root)
     seed = ("--checkpoint.enable", "--parallelism.data_parallel_shard_degree", "1")
     _train(config, 1, *seed, "--checkpoint.create_seed_checkpoint")
     seed_path = root / "outputs" / "checkpoint" / "step-0"
-    runs: dict[int, tuple[dict[int, tuple[float, float]], str]] = {}
 
     def train(ngpu: int):
-        if ngpu not in runs:
-            runs[ngpu] = _train(
-                config,
-                ngpu,
-                "--job.dump_folder", str(root / f"ngpu{ngpu}"),
-                "--checkpoint.enable",
-                "--checkpoint.initial_load_path", str(seed_path),
-            )  # fmt: skip
-        return runs[ngpu]
+        return _train(
+            config,
+            ngpu,
+            "--job.dump_folder", str(root / f"ngpu{ngpu}"),
+            "--checkpoint.enable",
+            "--checkpoint.initial_load_path", str(seed_path),
+        )  # fmt: skip
 
-    return train
+    with ThreadPoolExecutor(2) as runs:
+        return dict(zip((1, 2), runs.map(train, (1, 2)), strict=True))
 
 
 @needs_cpu_only
 @pytest.mark.parametrize("ngpu", [1, 2])
 def test_run_train_llama3_debugmodel_on_cpu(train_from_seed, ngpu: int):
     # NGPU=1: one rank, 2 gradient-accumulation microbatches. NGPU=2: FSDP over dp_shard=2.
-    log, output = train_from_seed(ngpu)
+    log, output = train_from_seed[ngpu]
     assert sorted(log) == list(range(1, STEPS + 1)), output[-6000:]
     assert log[STEPS][0] < log[1][0], log
 
@@ -138,8 +138,8 @@ def test_run_train_llama3_debugmodel_on_cpu(train_from_seed, ngpu: int):
 def test_fsdp_run_matches_single_process_run(train_from_seed):
     # Same seed weights and global batches: only the reduction path differs. grad_norm is the
     # sharp check: AdamW would hide a gradient scaled by 1/2 from the losses.
-    single, _ = train_from_seed(1)
-    sharded, _ = train_from_seed(2)
+    single, _ = train_from_seed[1]
+    sharded, _ = train_from_seed[2]
     for step, (loss, norm) in single.items():
         assert sharded[step][0] == pytest.approx(loss, abs=1e-3), (step, single, sharded)
         assert sharded[step][1] == pytest.approx(norm, rel=1e-3), (step, single, sharded)

@@ -9,10 +9,13 @@ Every ```bash block on those pages is preceded by a marker comment saying how it
     <!-- test: skip ... --> not run, the comment says why
 
 The cpu blocks of all pages run in one copy of the checkout (its tracked and untracked,
-not ignored files), page after page and in page order, so a block may use what an earlier
-block of its page wrote; a block whose text already ran (the quickstart, on two pages) runs
-once. Only exit codes are checked (and the files a recipe promises): the quickstart's output
-and losses are free to change.
+not ignored files), each page's in page order, so a block may use what an earlier block of
+its page wrote (the pages run side by side, so not what another page wrote); a block that
+several pages hold (the quickstart, on two pages) runs once. That copy is the one in which
+the quickstart ran (tests/conftest.py's `quickstart`, whose exit code it checks and whose
+output tests/test_quickstart.py checks), so the quickstart counts as run. Only exit codes
+are checked (and the files a recipe promises): the quickstart's output and losses are free
+to change.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import os
 import re
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import copy_checkout
+from tests.conftest import QUICKSTART
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -141,11 +146,11 @@ def test_relative_links_point_at_files_and_headings():
     assert not missing, missing
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("docs_commands") / "repo"
-    copy_checkout(root)
-    return {"root": root, "ran": set()}
+def _cpu_blocks(page: Path) -> list[str]:
+    return [body for kind, body in _blocks(page) if kind == "cpu"]
+
+
+CPU_PAGES = [page for page in PAGES if _cpu_blocks(page)]
 
 
 def _run_block(root: Path, body: str) -> subprocess.CompletedProcess:
@@ -171,19 +176,49 @@ PROMISED_FILES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "page", [p for p in PAGES if any(kind == "cpu" for kind, _ in _blocks(p))], ids=_page_id
-)
-def test_cpu_commands_of_the_page_run(workspace, page):
-    blocks = [body for kind, body in _blocks(page) if kind == "cpu"]
-    root = workspace["root"]
-    for body in blocks:
-        if body in workspace["ran"]:
-            continue
-        result = _run_block(root, body)
+@pytest.fixture(scope="module")
+def page_runs(quickstart) -> dict[Path, list]:
+    """Every cpu page's blocks, run in the quickstart's copy of the checkout: a page's blocks
+    one after the other, the pages side by side (a page's run of one process leaves a core
+    free most of the time). {page: [(block, its result, {promised file: written})]} for the
+    blocks the page ran, up to its first failure, each promised file looked for right after
+    its block; a block that an earlier page holds too runs there, and the page waits for it."""
+    root, _ = quickstart
+    owner, done = {}, {}
+    for page in CPU_PAGES:
+        for body in _cpu_blocks(page):
+            owner.setdefault(body, page)
+            done.setdefault(body, threading.Event())
+    done[QUICKSTART] = threading.Event()
+    done[QUICKSTART].set()
+
+    def run_page(page: Path) -> list:
+        ran = []
+        try:
+            for body in _cpu_blocks(page):
+                if body == QUICKSTART or owner[body] != page:
+                    done[body].wait()
+                    continue
+                result = _run_block(root, body)
+                promised = [file for flag, file in PROMISED_FILES if flag in body]
+                ran.append((body, result, {file: (root / file).exists() for file in promised}))
+                done[body].set()
+                if result.returncode != 0:
+                    break
+        finally:  # a page that stopped early holds up no other
+            for body in _cpu_blocks(page):
+                if owner[body] == page:
+                    done[body].set()
+        return ran
+
+    with ThreadPoolExecutor(len(CPU_PAGES)) as pages:
+        return dict(zip(CPU_PAGES, pages.map(run_page, CPU_PAGES), strict=True))
+
+
+@pytest.mark.parametrize("page", CPU_PAGES, ids=_page_id)
+def test_cpu_commands_of_the_page_run(page_runs, page):
+    for body, result, promised_files in page_runs[page]:
         output = (result.stdout + result.stderr)[-6000:]
         assert result.returncode == 0, f"{_page_id(page)}:\n{body}\n--- output ---\n{output}"
-        workspace["ran"].add(body)
-        for flag, promised in PROMISED_FILES:
-            if flag in body:
-                assert (root / promised).exists(), f"{body}\ndid not write {promised}"
+        for promised, written in promised_files.items():
+            assert written, f"{body}\ndid not write {promised}"

@@ -2,24 +2,23 @@
 
 It runs in a temporary copy of the checkout (its tracked and untracked, not ignored files), so
 that it writes that copy's outputs/debug_model as a user's first run would, and neither reads
-nor overwrites the checkout's own outputs/. Then the run's checkpoint is sampled with
-`python -m titan_gdn.generate` and resumed for two more steps, and the README's next command,
-the tests, passes in that copy.
+nor overwrites the checkout's own outputs/ (the `quickstart` fixture of tests/conftest.py, run
+once per session; tests/test_docs_commands.py runs the pages' other commands in that copy).
+Then the run's checkpoint is sampled with `python -m titan_gdn.generate` and resumed for two
+more steps, and the README's next command, the tests, passes in that copy.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import copy_checkout
+from tests.conftest import run_as_a_user
 
 STEP_LINE = re.compile(
     r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s.*docs: [0-9.,]+  "
@@ -50,22 +49,6 @@ TITAN_RECORD = re.compile(r"\[titan\] \S+ \S+ - root - ")
 pytestmark = pytest.mark.skipif(
     torch.accelerator.is_available(), reason="the CPU quickstart; GPU runs live in tests/gpu"
 )
-
-
-def _run(command: list[str], cwd: Path) -> tuple[int, str]:
-    # PYTHONPATH unset: run_train.sh puts its own folder (the copy) first, as for a user.
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    return result.returncode, result.stdout + result.stderr
-
-
-@pytest.fixture(scope="module")
-def quickstart(tmp_path_factory) -> tuple[Path, str]:
-    checkout = tmp_path_factory.mktemp("quickstart")
-    copy_checkout(checkout)
-    code, output = _run(["./run_train.sh"], checkout)
-    assert code == 0, output[-6000:]
-    return checkout, output
 
 
 def _steps(output: str) -> dict[int, tuple[float, str]]:
@@ -130,11 +113,11 @@ def test_the_last_step_checkpoint_samples_and_resumes(quickstart):
     assert (checkout / "outputs" / "debug_model" / "model_args.json").is_file()
 
     command = [sys.executable, "-m", "titan_gdn.generate", "--checkpoint", str(step_folder)]
-    code, output = _run([*command, "--prompt", PROMPT, "--max-new-tokens", "20"], checkout)
+    code, output = run_as_a_user([*command, "--prompt", PROMPT, "--max-new-tokens", "20"], checkout)
     assert code == 0, output[-3000:]
     assert output.startswith(PROMPT), output[-3000:]
 
-    code, output = _run(["./run_train.sh", "--training.steps", str(STEPS + 2)], checkout)
+    code, output = run_as_a_user(["./run_train.sh", "--training.steps", str(STEPS + 2)], checkout)
     assert code == 0, output[-6000:]
     assert f"Training starts at step {STEPS + 1}" in output, output[-6000:]
     assert sorted(_resumed_steps(output)) == [STEPS + 1, STEPS + 2], output[-6000:]
@@ -148,7 +131,7 @@ def test_the_tests_pass_after_it_and_write_nothing_into_the_checkout(quickstart,
     checkout, _ = quickstart
     before = _files(checkout)
     command = [sys.executable, "-m", "pytest", "-m", "not gpu", *VALIDATION_TESTS]
-    code, output = _run([*command, "--basetemp", str(tmp_path / "basetemp")], checkout)
+    code, output = run_as_a_user([*command, "--basetemp", str(tmp_path / "basetemp")], checkout)
     assert code == 0, output[-6000:]
     assert _files(checkout) - before == set()
 

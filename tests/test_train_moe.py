@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_train_qwen import REPO, _five_steps_from_one_seed_checkpoint, _tensorboard, _train
+from tests.test_train_qwen import (
+    REPO,
+    _finish_side_by_side,
+    _five_steps_from_one_seed_checkpoint,
+    _start,
+    _tensorboard,
+    _train,
+)
 
 MOE_CONFIG = REPO / "train_configs" / "debug_moe.toml"
 
@@ -24,15 +31,24 @@ def _train_moe_ok(dump, *overrides: str, ngpu: int = 1):
 def test_expert_and_context_parallel_run_gives_the_single_process_losses(tmp_path):
     """ep = 2 x cp = 2 on 2 ranks vs 1 rank, from one seed checkpoint, same global batch."""
     common = _five_steps_from_one_seed_checkpoint(_train_moe_ok, tmp_path)
-    output, single = _train_moe_ok(tmp_path / "one", *common)
-    assert "aux_loss: " in output
-    _, sharded = _train_moe_ok(
-        tmp_path / "ep2cp2",
-        *common,
-        "--parallelism.context_parallel_degree", "2",
-        "--parallelism.expert_parallel_degree", "2",
-        ngpu=2,
+    # Started together: the one-process run leaves a core free most of the time.
+    runs = _finish_side_by_side(
+        [
+            _start(tmp_path / "one", *common, config=MOE_CONFIG),
+            _start(
+                tmp_path / "ep2cp2",
+                *common,
+                "--parallelism.context_parallel_degree", "2",
+                "--parallelism.expert_parallel_degree", "2",
+                ngpu=2,
+                config=MOE_CONFIG,
+            ),
+        ]
     )  # fmt: skip
+    for code, output, _ in runs:
+        assert code == 0, output[-6000:]
+    (_, output, single), (_, _, sharded) = runs
+    assert "aux_loss: " in output
     assert sorted(single) == sorted(sharded) == [1, 2, 3, 4, 5]
     for tag in ("loss_metrics/global_avg_loss", "loss_metrics/router_aux_loss"):
         reference = _tensorboard(tmp_path / "one")[tag]

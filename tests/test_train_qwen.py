@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -45,30 +46,69 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _train(
-    dump: Path, *overrides: str, ngpu: int = 1, config: Path = DEBUG_CONFIG, timeout: int = 300
-):
-    """run_train.sh with `overrides`, showing every rank's output (a rank that fails, even at
-    exit, must show why); returns (exit code, output, {step: (loss str, docs)}) with the steps
-    read from rank 0's lines."""
+def _start(dump: Path, *overrides: str, ngpu: int = 1, config: Path = DEBUG_CONFIG):
+    """run_train.sh with `overrides`, started, showing every rank's output (a rank that fails,
+    even at exit, must show why)."""
     every_rank = ",".join(str(rank) for rank in range(ngpu))
     env = {**os.environ, "NGPU": str(ngpu), "CONFIG_FILE": str(config), "LOG_RANK": every_rank}
     command = ["bash", "run_train.sh", "--job.dump_folder", str(dump), *SMALL, *overrides]
-    result = subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    return subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    output = result.stdout + result.stderr
+
+
+def _finish(process: subprocess.Popen, timeout: int = 300):
+    """(exit code, output, {step: (loss str, docs)}) of a started run, with the steps read from
+    rank 0's lines."""
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+    output = stdout + stderr
     rank0 = "\n".join(line for line in output.splitlines() if not OTHER_RANK.match(line))
     steps = {
         int(s): (loss, float(docs.replace(",", ""))) for s, loss, _, docs in STEP_LOG.findall(rank0)
     }
-    return result.returncode, output, steps
+    return process.returncode, output, steps
+
+
+def _train(
+    dump: Path, *overrides: str, ngpu: int = 1, config: Path = DEBUG_CONFIG, timeout: int = 300
+):
+    """run_train.sh with `overrides`, to its end: see `_finish`."""
+    return _finish(_start(dump, *overrides, ngpu=ngpu, config=config), timeout)
 
 
 def _train_ok(dump: Path, *overrides: str, ngpu: int = 1, timeout: int = 300):
     code, output, steps = _train(dump, *overrides, ngpu=ngpu, timeout=timeout)
     assert code == 0, output[-6000:]
     return output, steps
+
+
+def _finish_side_by_side(processes: list[subprocess.Popen]) -> list:
+    """`_finish` of runs started together: runs of one process keep one core busy each, and
+    the config check that ends a bad run is one process, so two or more of them take little
+    longer than one on two cores."""
+    try:
+        # Each read in a thread of its own: a run whose output nobody reads stops at a full pipe.
+        with ThreadPoolExecutor(len(processes)) as readers:
+            return list(readers.map(_finish, processes))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _train_side_by_side(*runs: tuple[Path, tuple[str, ...]]) -> list[tuple[str, dict]]:
+    """Independent one-process runs (dump folder, overrides), started together, each checked
+    and returned as `_train_ok` does."""
+    results = _finish_side_by_side([_start(dump, *overrides) for dump, overrides in runs])
+    for code, output, _ in results:
+        assert code == 0, output[-6000:]
+    return [(output, steps) for _, output, steps in results]
 
 
 def _tensorboard(dump: Path) -> dict[str, dict[int, float]]:
@@ -153,8 +193,10 @@ def test_resumed_run_continues_with_the_uninterrupted_losses(tmp_path):
         "--metrics.enable_tensorboard",
     )  # fmt: skip
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    _, whole_log = _train_ok(whole, *common, "--training.steps", str(n))
-    _, first_log = _train_ok(stopped, *common, "--training.steps", str(k))
+    (_, whole_log), (_, first_log) = _train_side_by_side(
+        (whole, (*common, "--training.steps", str(n))),
+        (stopped, (*common, "--training.steps", str(k))),
+    )
     output, resumed_log = _train_ok(stopped, *common, "--training.steps", str(n))
 
     assert f"Training starts at step {k + 1}" in output, output[-6000:]
@@ -187,35 +229,54 @@ def _five_steps_from_one_seed_checkpoint(train_ok, tmp_path) -> tuple[str, ...]:
     )  # fmt: skip
 
 
-def test_context_parallel_run_gives_the_losses_of_the_single_process_run(tmp_path):
-    """run_train.sh with cp=2 (2 ranks) vs cp=1 (1 rank), both from one seed checkpoint (on a
-    CPU mesh sharded init differs by rank count) and the same global batch."""
-    common = _five_steps_from_one_seed_checkpoint(_train_ok, tmp_path)
-    _, single = _train_ok(tmp_path / "cp1", *common)
+@pytest.fixture(scope="module")
+def single_process_from_seed(tmp_path_factory):
+    """The run the context-parallel runs must reproduce: one process, 5 steps from a seed
+    checkpoint (on a CPU mesh sharded init differs by rank count). Returns the arguments that
+    train 5 steps from that seed, the run's logged steps and its losses (TensorBoard, by step)."""
+    root = tmp_path_factory.mktemp("from_seed")
+    common = _five_steps_from_one_seed_checkpoint(_train_ok, root)
+    _, single = _train_ok(root / "cp1", *common)
+    return common, single, _tensorboard(root / "cp1")["loss_metrics/global_avg_loss"]
+
+
+def test_context_parallel_run_gives_the_losses_of_the_single_process_run(
+    single_process_from_seed, tmp_path
+):
+    """run_train.sh with cp=2 (2 ranks) vs cp=1 (1 rank), both from one seed checkpoint and the
+    same global batch."""
+    common, single, reference = single_process_from_seed
     _, sharded = _train_ok(
         tmp_path / "cp2", *common, "--parallelism.context_parallel_degree", "2", ngpu=2
     )
     assert sorted(single) == sorted(sharded) == [1, 2, 3, 4, 5]
-    reference = _tensorboard(tmp_path / "cp1")["loss_metrics/global_avg_loss"]
     losses = _tensorboard(tmp_path / "cp2")["loss_metrics/global_avg_loss"]
     for step, loss in reference.items():
         assert abs(losses[step] - loss) <= 1e-4 * loss, (step, losses[step], loss)
     assert losses[5] < losses[1]
 
 
-def test_eight_rank_context_parallel_run_gives_the_losses_of_the_single_process_run(tmp_path):
+def test_eight_rank_context_parallel_run_gives_the_losses_of_the_single_process_run(
+    single_process_from_seed, tmp_path
+):
     """run_train.sh at cp=8 with the default settings: the debug model's 4 key heads do not
     split 8 ways, so `context_parallel_mode = "auto"` runs heads 4 x states 2 (logged), and the
-    losses are cp=1's from one seed checkpoint (3 steps: eight processes on two cores are slow)."""
-    common = (*_five_steps_from_one_seed_checkpoint(_train_ok, tmp_path), "--training.steps", "3")
-    _train_ok(tmp_path / "cp1", *common)
+    losses are cp=1's from one seed checkpoint: the first 3 of its 5 steps, on the same 5-step
+    learning-rate schedule (eight processes on two cores are slow)."""
+    common, _, single = single_process_from_seed
     # Eight processes on the CI's two cores: slower to start than the others.
     output, sharded = _train_ok(
-        tmp_path / "cp8", *common, "--parallelism.context_parallel_degree", "8", ngpu=8, timeout=900
-    )
+        tmp_path / "cp8",
+        *common,
+        "--training.steps", "3",
+        "--lr_scheduler.total_steps", "5",
+        "--parallelism.context_parallel_degree", "8",
+        ngpu=8,
+        timeout=900,
+    )  # fmt: skip
     assert "Context parallel over 8 ranks: heads 4 x states 2" in output
     assert sorted(sharded) == [1, 2, 3]
-    reference = _tensorboard(tmp_path / "cp1")["loss_metrics/global_avg_loss"]
+    reference = {step: loss for step, loss in single.items() if step <= 3}
     losses = _tensorboard(tmp_path / "cp8")["loss_metrics/global_avg_loss"]
     for step, loss in reference.items():
         assert abs(losses[step] - loss) <= 1e-4 * loss, (step, losses[step], loss)
@@ -283,8 +344,9 @@ def test_hf_checkpoint_imports_trains_and_exports_for_transformers(hf_qwen3_5, t
         "--debug.deterministic",
         "--metrics.enable_tensorboard",
     )  # fmt: skip
-    output, log = _train_ok(tmp_path / "hf", *common, "--checkpoint.last_save_in_hf")
-    _, dcp_log = _train_ok(tmp_path / "dcp", *common)
+    (output, log), (_, dcp_log) = _train_side_by_side(
+        (tmp_path / "hf", (*common, "--checkpoint.last_save_in_hf")), (tmp_path / "dcp", common)
+    )
     assert f"loading from HF safetensors from --checkpoint.initial_load_path: {source}" in output
     # The flavor read config.json: the model's arguments, as the trainer writes them.
     model_args = json.loads((tmp_path / "hf" / "model_args.json").read_text())
@@ -325,63 +387,91 @@ def test_hf_checkpoint_imports_trains_and_exports_for_transformers(hf_qwen3_5, t
         assert relative_error(ours.eval()(tokens), exported(input_ids=tokens).logits) <= 1e-5
 
 
-def _expect_failure_before_training(tmp_path, message: str, *overrides: str, ngpu: int = 1):
-    # Every rank's output (`_train`): the first rank to raise ends the run, and torchrun stops
+def _bad_settings(root: Path) -> dict[str, tuple[tuple[str, ...], int]]:
+    """The runs of the tests below, {case: (overrides, NGPU)}; their files under `root`."""
+    assets = root / "assets"
+    assets.mkdir()
+    for tokenizer_file in TOKENIZER.iterdir():
+        shutil.copy(tokenizer_file, assets)
+    (assets / "config.json").write_text(json.dumps(tiny_hf_config(tied=True, vocab_size=1000)))
+    return {
+        "missing data file": (
+            ("--training.dataset", "text",
+             "--training.dataset_path", str(root / "no_such_corpus.txt")),
+            1,
+        ),
+        "unknown flavor": (("--model.flavor", "3B"), 1),
+        "tokenizer larger than the vocab": (
+            ("--model.flavor", "from_hf_config", "--model.hf_assets_path", str(assets)),
+            1,
+        ),
+        "seq_len beyond max_seq_len": (("--training.seq_len", "131073"), 1),
+        "seq_len not divisible by the cp degree": (
+            ("--training.seq_len", "129", "--parallelism.context_parallel_degree", "2"),
+            2,
+        ),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bad_setting_runs(tmp_path_factory) -> tuple[Path, dict]:
+    """Every case of `_bad_settings` run at once: (their root, {case: `_finish`'s result})."""
+    root = tmp_path_factory.mktemp("bad_settings")
+    cases = _bad_settings(root)
+    processes = [
+        _start(root / f"run{i}", "--training.steps", "2", *overrides, ngpu=ngpu)
+        for i, (overrides, ngpu) in enumerate(cases.values())
+    ]
+    return root, dict(zip(cases, _finish_side_by_side(processes), strict=True))
+
+
+def _expect_failure_before_training(bad_setting_runs, case: str, message: str):
+    # Every rank's output (`_start`): the first rank to raise ends the run, and torchrun stops
     # the others before they print (rank 0 alone raced rank 1 and lost at times).
-    code, output, steps = _train(tmp_path / "run", "--training.steps", "2", *overrides, ngpu=ngpu)
+    code, output, steps = bad_setting_runs[1][case]
     assert code != 0, output[-6000:]
     assert message in output, output[-6000:]
     assert not steps and "Training starts" not in output, output[-6000:]
 
 
-def test_missing_data_file_fails_before_training(tmp_path):
-    missing = tmp_path / "no_such_corpus.txt"
+def test_missing_data_file_fails_before_training(bad_setting_runs):
+    missing = bad_setting_runs[0] / "no_such_corpus.txt"
     _expect_failure_before_training(
-        tmp_path,
-        f'training.dataset_path = "{missing}" does not exist',
-        "--training.dataset", "text",
-        "--training.dataset_path", str(missing),
-    )  # fmt: skip
+        bad_setting_runs, "missing data file", f'training.dataset_path = "{missing}" does not exist'
+    )
 
 
-def test_unknown_flavor_fails_before_training(tmp_path):
+def test_unknown_flavor_fails_before_training(bad_setting_runs):
     _expect_failure_before_training(
-        tmp_path,
+        bad_setting_runs,
+        "unknown flavor",
         "model.flavor = '3B' is not a qwen3_5 flavor; choose one of debugmodel, 0.8B, 2B",
-        "--model.flavor", "3B",
-    )  # fmt: skip
+    )
 
 
-def test_tokenizer_larger_than_the_vocab_fails_before_training(tmp_path):
-    assets = tmp_path / "assets"
-    assets.mkdir()
-    for tokenizer_file in TOKENIZER.iterdir():
-        shutil.copy(tokenizer_file, assets)
-    (assets / "config.json").write_text(json.dumps(tiny_hf_config(tied=True, vocab_size=1000)))
+def test_tokenizer_larger_than_the_vocab_fails_before_training(bad_setting_runs):
+    assets = bad_setting_runs[0] / "assets"
     _expect_failure_before_training(
-        tmp_path,
+        bad_setting_runs,
+        "tokenizer larger than the vocab",
         f"the tokenizer in model.hf_assets_path = '{assets}' has ",
-        "--model.flavor", "from_hf_config",
-        "--model.hf_assets_path", str(assets),
-    )  # fmt: skip
+    )
 
 
-def test_seq_len_beyond_max_seq_len_fails_before_training(tmp_path):
+def test_seq_len_beyond_max_seq_len_fails_before_training(bad_setting_runs):
     _expect_failure_before_training(
-        tmp_path,
+        bad_setting_runs,
+        "seq_len beyond max_seq_len",
         "training.seq_len = 131073 exceeds the model's max_seq_len = 131072",
-        "--training.seq_len", "131073",
-    )  # fmt: skip
+    )
 
 
-def test_seq_len_not_divisible_by_cp_degree_fails_before_training(tmp_path):
+def test_seq_len_not_divisible_by_cp_degree_fails_before_training(bad_setting_runs):
     _expect_failure_before_training(
-        tmp_path,
+        bad_setting_runs,
+        "seq_len not divisible by the cp degree",
         "training.seq_len = 129 is not divisible by parallelism.context_parallel_degree = 2",
-        "--training.seq_len", "129",
-        "--parallelism.context_parallel_degree", "2",
-        ngpu=2,
-    )  # fmt: skip
+    )
 
 
 # In-process checks of the same settings (no training run).
