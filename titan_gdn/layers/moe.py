@@ -5,12 +5,14 @@ picked expert runs a SwiGLU with fused gate/up weights, the outputs are summed w
 weights; a shared SwiGLU expert, scaled by sigmoid(shared_expert_gate(x)), is added.
 
 What comes from torchtitan 0.2.2 (models/moe/): the token grouping that its experts and its
-`ExpertParallel` dispatch expect (tokens sorted by expert, counts per expert, groups padded by
-`_permute`), so `ExpertParallel` shards `GroupedExperts` and moves its tokens unchanged. What is
-ours, because torchtitan's `MoE` has none of it: the router without a gate bias but with
-transformers' renormalisation switch, experts with transformers' fused `gate_up_proj`, weights
-applied after the experts (torchtitan scales the inputs), the sigmoid-gated shared expert, and
-the routing each block returns for the load-balancing loss.
+`ExpertParallel` dispatch expect (tokens sorted by expert, counts per expert, groups padded to
+`TOKEN_GROUP_ALIGN_SIZE_M` rows), so `ExpertParallel` shards `GroupedExperts` and moves its
+tokens unchanged. What is ours, because torchtitan's `MoE` has none of it: the router without a
+gate bias but with transformers' renormalisation switch, experts with transformers' fused
+`gate_up_proj`, weights applied after the experts (torchtitan scales the inputs), the
+sigmoid-gated shared expert, the routing each block returns for the load-balancing loss, and,
+without expert parallel, the tokens placed into their padded groups by one gather and read back
+by one (torchtitan's path sorts, pads, unpads and unsorts: four copies of the routed tokens).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torchtitan.models.moe.utils import _permute, _unpermute
+from torchtitan.models.moe import utils as torchtitan_moe
 
 from titan_gdn.layers.mlp import FeedForward
 from titan_gdn.ops.experts import experts_swiglu, resolve_experts_backend
@@ -49,8 +51,10 @@ class TopKRouter(nn.Module):
 class GroupedExperts(nn.Module):
     """All routed experts' weights as two 3-D parameters, run over rows grouped by expert.
 
-    Under expert parallel, torchtitan's `ExpertParallel` shards both on dim 0 and wraps
-    `forward` with its all-to-all dispatch (which pads the groups) and combine.
+    `forward(rows, rows_per_group)`: group e is the `rows_per_group[e]` rows after group e-1's,
+    padding rows included (their outputs are not read). Under expert parallel, torchtitan's
+    `ExpertParallel` shards both weights on dim 0 and wraps `forward` with its all-to-all
+    dispatch (which sorts and pads the groups of the local experts) and combine.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, backend: str | None):
@@ -60,19 +64,19 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
-    def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    @property
+    def expert_parallel(self) -> bool:
+        weight = self.gate_up_proj
+        return isinstance(weight, DTensor) and "ep" in weight.device_mesh.mesh_dim_names
+
+    def forward(self, rows: torch.Tensor, rows_per_group: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj
-        dispatched = isinstance(gate_up, DTensor) and "ep" in gate_up.device_mesh.mesh_dim_names
         if isinstance(gate_up, DTensor):
             # The rows are plain tensors of a data-dependent shape: run on the local experts.
             gate_up, down = gate_up.to_local(), down.to_local()
+        group_ends = torch.cumsum(rows_per_group, dim=0, dtype=torch.int32)
         backend = resolve_experts_backend(rows.device, self.backend)
-        if backend == "loop" or dispatched:
-            return experts_swiglu(gate_up, down, rows, tokens_per_expert, backend)
-        # Without expert parallel nobody has padded the groups for the grouped GEMMs yet.
-        shape, padded, permuted, padded_counts = _permute(rows, tokens_per_expert, 1, len(gate_up))
-        out = experts_swiglu(gate_up, down, padded, padded_counts, backend)
-        return _unpermute(out, shape, permuted)
+        return experts_swiglu(gate_up, down, rows, group_ends, backend)
 
 
 class SparseMoeBlock(nn.Module):
@@ -103,13 +107,28 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, tokens, weights, experts) -> torch.Tensor:
         """Each token through its k experts, outputs summed with their weights."""
-        num_experts = self.experts.num_experts
-        # Counts in fixed-size bins and a sort: no host sync (histc wants floats on CPU).
-        tokens_per_expert = torch.histc(
-            experts.flatten().float(), bins=num_experts, min=0, max=num_experts
-        ).to(torch.int64)
+        if self.experts.expert_parallel:
+            return self._route_sorted(tokens, weights, experts)
+        slots, rows_per_group = padded_slots(experts, self.experts.num_experts)
+        # Rows past a group's tokens, and past the last group (the buffer's size is fixed, the
+        # groups' sizes are not), read an appended zero row, as in torchtitan's permutation:
+        # their outputs are never read, and whatever gradient the grouped GEMMs leave in their
+        # rows (the rows past the last group are not written) lands on that row, not a token.
+        capacity = len(slots) + self.experts.num_experts * group_alignment()
+        token_of_slot = torch.full((capacity,), len(tokens), dtype=slots.dtype, device=slots.device)
+        token_of_slot[slots] = torch.arange(len(slots), device=slots.device) // self.top_k
+        with_zero_row = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[-1])])
+        out = self.experts(with_zero_row[token_of_slot], rows_per_group)
+        per_choice = out[slots].view(-1, self.top_k, tokens.shape[-1])
+        return (per_choice * weights.unsqueeze(-1)).sum(dim=1)
+
+    def _route_sorted(self, tokens, weights, experts) -> torch.Tensor:
+        """The layout expert parallel's dispatch takes: rows sorted by expert, no padding (the
+        dispatch pads the groups of each rank's experts after the all-to-all)."""
         order = torch.argsort(experts.flatten(), stable=True)
-        out = self.experts(tokens[order // self.top_k], tokens_per_expert)
+        out = self.experts(
+            tokens[order // self.top_k], choices_per_expert(experts, self.experts.num_experts)
+        )
         unsorted = out.new_empty(out.shape)
         unsorted[order] = out
         per_choice = unsorted.view(-1, self.top_k, tokens.shape[-1])
@@ -126,3 +145,35 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate,
         ):
             nn.init.normal_(linear.weight, mean=0.0, std=std)
+
+
+def group_alignment() -> int:
+    """Rows a group of the grouped GEMMs is padded to a multiple of: torchtitan's setting (8
+    for bf16; fp8 recipes raise it), read at each call because torchtitan sets it at runtime."""
+    return torchtitan_moe.TOKEN_GROUP_ALIGN_SIZE_M
+
+
+def choices_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of the [N, k] choices picked each expert: int64 [E], without a host sync
+    (histc wants floats on CPU)."""
+    counts = torch.histc(experts.flatten().float(), bins=num_experts, min=0, max=num_experts)
+    return counts.to(torch.int64)
+
+
+def padded_slots(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each of the [N, k] choices goes in the rows the grouped GEMMs read: expert e's
+    group holds its choices in token order, then padding up to a multiple of the alignment
+    (at least one multiple, as torchtitan pads: no empty group); the groups follow each other.
+    Returns (the slot of each choice [N * k], the rows of each group [E]); every shape is
+    fixed by N, k and E, and nothing is read on the host."""
+    choices = experts.flatten()
+    counts = choices_per_expert(experts, num_experts)
+    align = group_alignment()
+    rows_per_group = (counts + align - 1).div(align, rounding_mode="floor").clamp(min=1) * align
+    group_start = torch.cumsum(rows_per_group, 0) - rows_per_group
+    first_choice = torch.cumsum(counts, 0) - counts  # of each expert, in expert order
+    order = torch.argsort(choices, stable=True)  # choices by expert, token order kept
+    rank_in_group = torch.arange(len(choices), device=choices.device) - first_choice[choices[order]]
+    slots = torch.empty_like(order)
+    slots[order] = group_start[choices[order]] + rank_in_group
+    return slots, rows_per_group
