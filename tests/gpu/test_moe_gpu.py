@@ -1,4 +1,4 @@
-"""The MoE block's CUDA path (grouped GEMMs over groups padded by torchtitan's permutation)
+"""The MoE block's CUDA path (grouped GEMMs over the padded groups `SparseMoeBlock.route` builds)
 against its fp32 loop reference, eager and compiled; and the 35B-A3B-shaped block in bf16."""
 
 import copy
