@@ -66,8 +66,8 @@ def _context_memo():
 
 
 def row_contexts(cu_seqlens: Tensor, shared_chunks: Tensor, group_name: str) -> list:
-    """FLA's CP context of each row of the chunk whose boundaries are `cu_seqlens` and
-    `shared_chunks` (`ChunkBoundaries`'), memoized per boundaries tensor."""
+    """`cp_contexts`, memoized per boundaries tensor: every GDN layer of the step, forward and
+    backward, gets the same chunk boundaries."""
     memo = _context_memo()(cu_seqlens, shared_chunks)
     if group_name not in memo:
         group = dist.distributed_c10d._resolve_process_group(group_name)
@@ -76,8 +76,10 @@ def row_contexts(cu_seqlens: Tensor, shared_chunks: Tensor, group_name: str) -> 
 
 
 def cp_contexts(cu_seqlens: Tensor, shared_chunks: Tensor, group) -> list:
-    """FLA's CP context (`FLACPContext`) of each row: the chunk's documents in the row, and how
-    many ranks before and after share its first and last (`pre_num_ranks`, `post_num_ranks`)."""
+    """FLA's CP context (`FLACPContext`) of each row of the chunk whose boundaries are
+    `cu_seqlens` and `shared_chunks` (`ChunkBoundaries`): the chunk's documents in the row, and
+    how many ranks before and after share its first and last (`pre_num_ranks`,
+    `post_num_ranks`)."""
     from fla.ops.cp.context import FLACPContext
 
     rows = shared_chunks.shape[0]
