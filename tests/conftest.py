@@ -50,6 +50,12 @@ def perturb_norms_and_gates(model: torch.nn.Module, scale: float = 0.3) -> None:
                 param.add_(scale * torch.randn_like(param))
 
 
+# Overrides for `perturbed_debug_model`: every head 32 channels wide (the debug model's are 64
+# for attention, 128 for GDN), so that the context parallel tests' 8 or 16 CPU processes stay
+# affordable.
+NARROW_HEADS = dict(linear_key_head_dim=32, linear_value_head_dim=32, head_dim=32)
+
+
 def perturbed_debug_model(flavor: str = "debugmodel", **overrides):
     """The debug flavor (or `flavor`, with `overrides` of its args), initialised from seed 0,
     with norms and gates moved off their init."""

@@ -18,7 +18,7 @@ from benchmarks import throughput
 from benchmarks.breakdown import categorize
 from benchmarks.common import guarded
 from benchmarks.memory import find_longest
-from benchmarks.report import kernels, page, plots, tables, targets, training
+from benchmarks.report import kernels, memory, page, plots, tables, targets, training
 from tests.conftest import copy_checkout
 from titan_gdn.model.flavors import qwen3_5_args
 
@@ -145,6 +145,13 @@ def test_report_renders_tables_and_plots(results, tmp_path):
         return  # plots are optional (the bench extra); the text is checked above
     assert (tmp_path / "performance" / "throughput.png").stat().st_size > 0
     assert (tmp_path / "performance" / "memory.png").stat().st_size > 0
+
+
+def test_a_section_is_left_out_without_the_result_files_it_reads():
+    sources = tables.Sources({})
+    for section in (memory.longest_rows, memory.longest_one_document_rows, training.training_runs):
+        assert section({}, sources, {}) == [], section.title
+    assert "No benchmark results yet." in page.render({}, {})
 
 
 def test_all_to_all_target_counts_the_forwards_that_full_checkpointing_recomputes():

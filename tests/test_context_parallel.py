@@ -20,7 +20,7 @@ import torch
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
 
-from tests.conftest import perturbed_debug_model, relative_error
+from tests.conftest import NARROW_HEADS, perturbed_debug_model, relative_error
 from tests.distributed import reference_and_rank_logits, run_on_ranks
 from titan_gdn.model import qwen3_5_args
 from titan_gdn.model.job_checks import job_config_problems
@@ -51,15 +51,9 @@ def _job_config() -> JobConfig:
 
 
 # Heads for CP degrees up to 8: 8 key / 16 value GDN heads, 8 attention heads over 2 KV heads
-# (each KV head repeated to 4 ranks at cp=8); narrow heads keep 16 CPU processes affordable.
+# (each KV head repeated to 4 ranks at cp=8), narrow so that 16 CPU processes stay affordable.
 WIDE_HEADS = dict(
-    linear_num_key_heads=8,
-    linear_num_value_heads=16,
-    linear_key_head_dim=32,
-    linear_value_head_dim=32,
-    n_heads=8,
-    n_kv_heads=2,
-    head_dim=32,
+    NARROW_HEADS, linear_num_key_heads=8, linear_num_value_heads=16, n_heads=8, n_kv_heads=2
 )
 
 

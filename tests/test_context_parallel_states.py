@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 
-from tests.conftest import perturbed_debug_model, relative_error
+from tests.conftest import NARROW_HEADS, perturbed_debug_model, relative_error
 from tests.distributed import reference_and_rank_logits, run_on_ranks
 from titan_gdn.boundaries import DocumentBoundaries
 from titan_gdn.model import qwen3_5_args
@@ -27,9 +27,8 @@ from titan_gdn.validation import configuration_problems
 
 EOS = 0
 SEQ_LEN = 192
-# The debug model's head counts (4 key / 8 value GDN heads, 4 attention heads over 2 KV heads:
-# cp = 8 cannot split them) on narrow heads, so that 8 CPU processes stay affordable.
-NARROW_HEADS = dict(linear_key_head_dim=32, linear_value_head_dim=32, head_dim=32)
+# The models: the debug model's head counts (4 key / 8 value GDN heads, 4 attention heads over
+# 2 KV heads: cp = 8 cannot split them) on narrow heads (NARROW_HEADS).
 
 
 def _global_batch(rows: int) -> torch.Tensor:

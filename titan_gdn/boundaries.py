@@ -200,6 +200,11 @@ class ChunkBoundaries:
     halo_in_document: torch.Tensor
     # bool [N, B]: whether chunk n of each row continues the document of the chunk before.
     continues: torch.Tensor
+    # int32 [B, 2]: per row, how many chunks before this one its first document started in and
+    # how many after it its last document reaches into (0 and 0: both lie in this chunk), for
+    # kernels that chain the state over exactly those chunks (FLA's `pre_num_ranks` and
+    # `post_num_ranks`).
+    shared_chunks: torch.Tensor
 
     @classmethod
     def of(cls, document_ids: torch.Tensor, start: int, end: int, halo: int) -> ChunkBoundaries:
@@ -222,7 +227,19 @@ class ChunkBoundaries:
             conv_cu_seqlens=padded_cu_seqlens(conv_starts),
             halo_in_document=halo_in_document,
             continues=continues,
+            shared_chunks=_shared_chunks(ids, start, end),
         )
+
+
+def _shared_chunks(document_ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """`ChunkBoundaries.shared_chunks` of the chunk [start, end) of every row of equal chunks."""
+    ids, size = document_ids, end - start
+    # Ids grow along a row: a document starts after every token of a smaller id, and ends at
+    # the last token of an id no larger. Counts over whole rows, so no host sync.
+    first_start = (ids < ids[:, start : start + 1]).sum(1)
+    last_end = (ids <= ids[:, end - 1 : end]).sum(1) - 1
+    chunk = start // size
+    return torch.stack([chunk - first_start // size, last_end // size - chunk], 1).int()
 
 
 def _row_starts(after_eos: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,10 @@ from benchmarks.report.plots import image
 from benchmarks.report.tables import Sources, loss_text, question
 
 
-@question("How long a row fits?")
+@question("How long a row fits?", reads="memory")
 def longest_rows(results: dict, sources: Sources, plots: dict) -> list[str]:
-    files = results.get("memory", [])
-    if not files:
-        return []
     rows = []
-    for name, data in files:
+    for name, data in results["memory"]:
         options, result = data["options"], data.get("result", {})
         cells = [
             options["flavor"],
@@ -44,13 +41,10 @@ def _searched(options: dict) -> str:
     return f"{start:,} only" if start == limit else f"{start:,} to {limit:,}"
 
 
-@question("How long a row of one document fits?")
+@question("How long a row of one document fits?", reads="long_row_configs")
 def longest_one_document_rows(results: dict, sources: Sources, plots: dict) -> list[str]:
-    files = results.get("long_row_configs", [])
-    if not files:
-        return []
     rows = []
-    for name, data in files:
+    for name, data in results["long_row_configs"]:
         for trial in data["trials"]:
             last = trial["steps"][-1] if trial["steps"] else {}
             free = trial["free_at_peak_gib"]

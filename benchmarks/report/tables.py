@@ -4,16 +4,24 @@ the formatting of cells."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 
-def question(title: str):
+def question(title: str, reads: str | None = None):
     """Mark a section of the page, headed `title`: `function(results, sources, plots) -> lines`,
-    empty when no result file answers it."""
+    empty when no result file answers it. A section made from one kind of result file names it
+    (`reads`): without such a file the section is left out, and the function is not called."""
 
     def mark(function):
-        function.title = title
-        return function
+        @functools.wraps(function)
+        def section(results: dict, sources: Sources, plots: dict) -> list[str]:
+            if reads is not None and not results.get(reads):
+                return []
+            return function(results, sources, plots)
+
+        section.title = title
+        return section
 
     return mark
 

@@ -177,11 +177,9 @@ def throughput_by_length(results: dict, sources: Sources, plots: dict) -> list[s
     return intro + image(plots, "throughput") + sources.table(headings, body)
 
 
-@question("What do the training runs show?")
+@question("What do the training runs show?", reads="runs")
 def training_runs(results: dict, sources: Sources, plots: dict) -> list[str]:
-    files = results.get("runs", [])
-    if not files:
-        return []
+    files = results["runs"]
     rows = [
         (
             name,

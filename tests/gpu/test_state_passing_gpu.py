@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from tests.conftest import relative_error
 from tests.gpu.test_delta_rule_gpu import INPUT_NAMES, random_inputs
+from titan_gdn.boundaries import ChunkBoundaries, token_documents
 from titan_gdn.ops.delta_rule import fla_cp_op, fla_op, gated_delta_rule
 
 pytestmark = pytest.mark.gpu
@@ -40,6 +41,12 @@ def _padded(cu_seqlens, tokens):
     return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(tokens + 1 - len(cu_seqlens))])
 
 
+def _chunk(cu_seqlens, start, end):
+    """The boundaries of the chunk [start, end) of the one row whose documents are `cu_seqlens`."""
+    document_ids = token_documents(cu_seqlens, TOKENS)[None]
+    return ChunkBoundaries.of(document_ids, start, end, halo=0)
+
+
 def _reference(inputs):
     """The torch backend in fp32 over the whole sequence: output and gradients."""
     leaves = [inputs[name].float().requires_grad_() for name in INPUT_NAMES]
@@ -57,9 +64,10 @@ def _assert_close(actual, expected, label, tolerance=1e-2):
 def test_one_rank_group_matches_torch_and_times_against_the_plain_op(one_rank_group):
     inputs = random_inputs(0, TOKENS, DOCUMENTS, KEY_HEADS, VALUE_HEADS, HEAD_DIM)
     padded = _padded(inputs["cu_seqlens"], TOKENS)
+    whole_row = _chunk(inputs["cu_seqlens"], 0, TOKENS)
 
     def cp_op(*leaves):
-        return fla_cp_op.fla_gated_delta_rule_cp(*leaves, padded, 1, one_rank_group)
+        return fla_cp_op.fla_gated_delta_rule_cp(*leaves, whole_row, one_rank_group)
 
     def plain_op(*leaves):
         return gated_delta_rule(*leaves, padded, backend="fla")
@@ -126,12 +134,11 @@ class SimulatedGroup:
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_simulated_ranks_match_torch_over_the_whole_sequence(monkeypatch, ranks):
-    """Documents cross every chunk boundary (and one chunk lies inside one document)."""
+    """Documents cross every chunk boundary (and one chunk lies inside one document); each
+    rank's context comes from its chunk's boundaries (`ChunkBoundaries`)."""
     from fla.ops.cp import chunk_delta_h
-    from fla.ops.cp.context import get_cp_cu_seqlens
 
     inputs = random_inputs(1, TOKENS, 4, KEY_HEADS, VALUE_HEADS, HEAD_DIM)
-    cu_host = inputs["cu_seqlens"].cpu().long()
     simulated = SimulatedGroup(ranks)
     fake_dist = types.SimpleNamespace(
         get_rank=lambda group=None: simulated.rank, get_world_size=lambda group=None: ranks
@@ -139,15 +146,13 @@ def test_simulated_ranks_match_torch_over_the_whole_sequence(monkeypatch, ranks)
     monkeypatch.setattr(chunk_delta_h, "all_gather_into_tensor", simulated.all_gather_into_tensor)
     monkeypatch.setattr(chunk_delta_h, "dist", fake_dist)
 
-    def contexts(cu_seqlens, rows, group_name):
-        context = get_cp_cu_seqlens(
-            inputs["cu_seqlens"], cu_host, world_size=ranks, rank=simulated.rank, group=None
-        )
-        context.group = "simulated"  # FLA skips the exchange without a group
-        return [context]
+    def contexts(cu_seqlens, shared_chunks, group_name):
+        # FLA skips the exchange without a group; the simulated one stands in for it.
+        return fla_cp_op.cp_contexts(cu_seqlens, shared_chunks, group="simulated")
 
     monkeypatch.setattr(fla_cp_op, "row_contexts", contexts)
     size = TOKENS // ranks
+    chunks = [_chunk(inputs["cu_seqlens"], r * size, (r + 1) * size) for r in range(ranks)]
     chunk = {
         name: [inputs[name][:, r * size : (r + 1) * size].contiguous() for r in range(ranks)]
         for name in (*INPUT_NAMES, "grad_out")
@@ -156,7 +161,8 @@ def test_simulated_ranks_match_torch_over_the_whole_sequence(monkeypatch, ranks)
 
     def forward(rank):
         args = [chunk[name][rank] for name in INPUT_NAMES]
-        return fla_cp_op.gated_delta_rule_fla_cp(*args, inputs["cu_seqlens"], 1, "", scale)
+        boundaries = chunks[rank].padded_cu_seqlens, chunks[rank].shared_chunks
+        return fla_cp_op.gated_delta_rule_fla_cp(*args, *boundaries, "", scale)
 
     outputs = simulated.run("forward", forward)
 
@@ -164,8 +170,9 @@ def test_simulated_ranks_match_torch_over_the_whole_sequence(monkeypatch, ranks)
         residuals = outputs[rank][1:]
         grad_o = chunk["grad_out"][rank]
         beta = chunk["beta"][rank]
+        boundaries = chunks[rank].padded_cu_seqlens, chunks[rank].shared_chunks
         return fla_cp_op.gated_delta_rule_fla_cp_backward(
-            grad_o, *residuals, beta, inputs["cu_seqlens"], 1, "", scale
+            grad_o, *residuals, beta, *boundaries, "", scale
         )
 
     grads = simulated.run("backward", backward)

@@ -25,7 +25,6 @@ class GatedAttention(nn.Module):
 
     def __init__(self, args):
         super().__init__()
-        self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
         self.attn_backend = args.attn_backend

@@ -94,16 +94,14 @@ class StatePassing:
         state carried in from the chunks before it."""
         if self.mesh is None:
             return gated_delta_rule(q, k, v, g, beta, docs.padded_cu_seqlens, backend=backend)
-        batch = docs.document_ids.shape[0]
+        chunk = _chunk(docs)
         if resolve_delta_rule_backend(q.device, backend) == "fla":
             from titan_gdn.ops.delta_rule.fla_cp_op import fla_gated_delta_rule_cp
 
-            return fla_gated_delta_rule_cp(
-                q, k, v, g, beta, docs.padded_cu_seqlens, batch, self.group_name
-            )
+            return fla_gated_delta_rule_cp(q, k, v, g, beta, chunk, self.group_name)
         from titan_gdn.ops.delta_rule import state_passing
 
-        chunk = _chunk(docs)
+        batch = docs.document_ids.shape[0]
         outputs, summary = state_passing.affine_gated_delta_rule(
             q, k, v, g, beta, chunk.padded_cu_seqlens, batch, None
         )

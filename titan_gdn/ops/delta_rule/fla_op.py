@@ -181,23 +181,26 @@ def fake_input_grads(q, k, v, g_cumsum, beta) -> tuple[Tensor, ...]:
 
 
 def register_autograd_with_residuals(forward_op, backward_op) -> None:
-    """Make `forward_op(q, k, v, g, beta, cu_seqlens, *constants) -> (o, *residuals)`
-    differentiable by `backward_op(grad_o, *residuals, beta, cu_seqlens, *constants)`, which
-    returns the gradients of q, k, v, g and beta: the residuals, beta and cu_seqlens are
-    saved, the constants kept, and the gradients given the inputs' dtypes."""
+    """Make `forward_op(q, k, v, g, beta, *boundaries, *constants) -> (o, *residuals)`
+    differentiable by `backward_op(grad_o, *residuals, beta, *boundaries, *constants)`, which
+    returns the gradients of q, k, v, g and beta: the residuals, beta and the boundaries (the
+    tensors after beta: cu_seqlens, ...) are saved, the constants kept, and the gradients given
+    the inputs' dtypes."""
 
     def setup_context(ctx, inputs, output):
-        q, k, v, g, beta, cu_seqlens, *constants = inputs
+        q, k, v, g, beta, *after_beta = inputs
+        boundaries = [x for x in after_beta if isinstance(x, Tensor)]
         residuals = output[1:]
         ctx.mark_non_differentiable(*residuals)
-        ctx.save_for_backward(*residuals, beta, cu_seqlens)
-        ctx.constants = constants
+        ctx.save_for_backward(*residuals, beta, *boundaries)
+        ctx.constants = after_beta[len(boundaries) :]
+        ctx.not_differentiated = len(after_beta)
         ctx.input_dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
 
     def backward(ctx, grad_o, *residual_grads):
         grads = backward_op(grad_o, *ctx.saved_tensors, *ctx.constants)
         grads = [grad.to(dtype) for grad, dtype in zip(grads, ctx.input_dtypes, strict=True)]
-        return *grads, None, *[None] * len(ctx.constants)  # none for cu_seqlens, constants
+        return *grads, *[None] * ctx.not_differentiated  # none for boundaries, constants
 
     forward_op.register_autograd(backward, setup_context=setup_context)
 
