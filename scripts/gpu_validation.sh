@@ -42,7 +42,7 @@ seed() {
 }
 
 gpu_tests() {
-    CUDA_VISIBLE_DEVICES=${TEST_GPU:-0} python -m pytest -m gpu tests/gpu -q -s --tb=short \
+    CUDA_VISIBLE_DEVICES=${TEST_GPU:-0} python -m pytest -m gpu tests/gpu -q -s --tb=short --durations=0 \
         -p no:cacheprovider >"$RESULTS/gpu_tests.log" 2>&1
     echo "gpu tests: exit $?"
 }
