@@ -126,8 +126,8 @@ def side_by_side(body: Callable) -> Callable:
 
 @pytest.fixture(scope="module")
 def side_by_side_tests(request, tmp_path_factory):
-    """{test name: Future of its body} for the selected `@side_by_side` tests, started together
-    when the first of them runs (a selection of one test starts that one alone)."""
+    """{test name: Future of its body} for the selected `@side_by_side` tests, queued in the
+    file's order when the first of them runs (a selection of one test starts that one alone)."""
     selected = [item.name for item in request.session.items if item.name in _SIDE_BY_SIDE_BODIES]
     parameters = {
         name: inspect.signature(_SIDE_BY_SIDE_BODIES[name]).parameters for name in selected
@@ -637,6 +637,23 @@ def test_rerunning_a_finished_run_says_what_to_change(tmp_path):
     assert "Traceback" not in again.output + longer.output
 
 
+@side_by_side
+def test_a_resume_onto_a_longer_schedule_says_so(tmp_path):
+    """training.steps sets the schedule's length: 4 steps continued to 6 train steps 5-6 on
+    another curve than an uninterrupted 6-step run, and the log says so."""
+    full = ("--checkpoint.enable", "--checkpoint.no-last-save-model-only")
+    warmup = ("--lr_scheduler.warmup_steps", "2")
+    first = _launch(tmp_path, "--training.steps", "4", *full, *warmup)
+    assert first.code == 0, first.output[-6000:]
+    longer = _launch(tmp_path, "--training.steps", "6", *full, *warmup)
+    assert longer.code == 0 and sorted(longer.steps) == [5, 6], longer.output[-6000:]
+    assert (
+        "The learning-rate schedule is not the one the checkpoint of step 4 was trained with "
+        "(training.steps or [lr_scheduler] changed): step 5 trains at lr "
+    ) in longer.output
+    assert "set lr_scheduler.total_steps to its final length" in longer.output
+
+
 def test_an_hf_import_that_would_leave_tensors_out_is_refused(hf_qwen3_5, tmp_path):
     """config.json asking for 2 of the checkpoint's 4 layers loaded a cut-down model: the import
     reads the tensors the model asks for and never looks at the others."""
@@ -1138,23 +1155,6 @@ def test_a_checkpoint_damaged_in_place_is_skipped_for_the_one_before(
     _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted.result())
     assert checkpoint_steps(folder) == ([2, 4, 6], [])  # step 4 written again, whole
     assert checkpoint_damage(folder / "step-4") == []
-
-
-@side_by_side
-def test_a_resume_onto_a_longer_schedule_says_so(tmp_path):
-    """training.steps sets the schedule's length: 4 steps continued to 6 train steps 5-6 on
-    another curve than an uninterrupted 6-step run, and the log says so."""
-    full = ("--checkpoint.enable", "--checkpoint.no-last-save-model-only")
-    warmup = ("--lr_scheduler.warmup_steps", "2")
-    first = _launch(tmp_path, "--training.steps", "4", *full, *warmup)
-    assert first.code == 0, first.output[-6000:]
-    longer = _launch(tmp_path, "--training.steps", "6", *full, *warmup)
-    assert longer.code == 0 and sorted(longer.steps) == [5, 6], longer.output[-6000:]
-    assert (
-        "The learning-rate schedule is not the one the checkpoint of step 4 was trained with "
-        "(training.steps or [lr_scheduler] changed): step 5 trains at lr "
-    ) in longer.output
-    assert "set lr_scheduler.total_steps to its final length" in longer.output
 
 
 def _alive(pid: int) -> bool:
