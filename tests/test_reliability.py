@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import itertools
 import json
 import os
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -93,6 +96,59 @@ def _launch(dump: Path, *overrides: str, ngpu: int = 1, env=None, on_line=None) 
     output = "".join(lines)
     steps = {int(s): (loss, norm, docs) for s, loss, norm, docs in STEP_LOG.findall(output)}
     return Run(process.returncode, output, steps)
+
+
+# The tests that launch runs: each test's runs one after the other, the tests side by side
+
+# How many of them run at once: a run of one or two gloo ranks leaves much of two cores idle
+# (the config check before torchrun is one process, then start-up and the ranks' waits for each
+# other), and three keep both busy without queuing many ranks for a core.
+SIDE_BY_SIDE = 3
+
+# Test name -> its body, which `side_by_side_tests` starts.
+_SIDE_BY_SIDE_BODIES: dict[str, Callable] = {}
+
+
+def side_by_side(body: Callable) -> Callable:
+    """`body` becomes the test of its name, run in a thread of `side_by_side_tests` beside the
+    module's other such tests; the test fails as the body does (its assertion, with its values).
+    The body may take `tmp_path` (a folder of its own) and `uninterrupted` (the Future of
+    `_uninterrupted_run`'s result)."""
+    _SIDE_BY_SIDE_BODIES[body.__name__] = body
+
+    def test(side_by_side_tests: dict[str, Future]) -> None:
+        side_by_side_tests[body.__name__].result()
+
+    test.__name__ = test.__qualname__ = body.__name__
+    test.__doc__ = body.__doc__
+    return test
+
+
+@pytest.fixture(scope="module")
+def side_by_side_tests(request, tmp_path_factory):
+    """{test name: Future of its body} for the selected `@side_by_side` tests, queued in the
+    file's order when the first of them runs (a selection of one test starts that one alone)."""
+    selected = [item.name for item in request.session.items if item.name in _SIDE_BY_SIDE_BODIES]
+    parameters = {
+        name: inspect.signature(_SIDE_BY_SIDE_BODIES[name]).parameters for name in selected
+    }
+    pool = ThreadPoolExecutor(SIDE_BY_SIDE)
+    shared = {}
+    if any("uninterrupted" in wanted for wanted in parameters.values()):
+        # First in the queue: it starts before any body that waits for it holds a thread.
+        dump = tmp_path_factory.mktemp("uninterrupted")
+        shared["uninterrupted"] = pool.submit(_uninterrupted_run, dump)
+    futures = {}
+    for name in selected:
+        arguments = {**shared, "tmp_path": tmp_path_factory.mktemp(name[:30])}
+        futures[name] = pool.submit(
+            _SIDE_BY_SIDE_BODIES[name], **{key: arguments[key] for key in parameters[name]}
+        )
+    try:
+        yield futures
+    finally:
+        # A session stopped early (-x, Ctrl-C) starts no more bodies; those running finish.
+        pool.shutdown(cancel_futures=True)
 
 
 def _tensorboard_files(dump: Path) -> set[Path]:
@@ -561,6 +617,7 @@ def test_a_run_whose_checkpoint_is_at_or_past_training_steps_is_named_finished(t
     validate_job_config(_job_config("--job.dump_folder", str(tmp_path)), world_size=1)
 
 
+@side_by_side
 def test_rerunning_a_finished_run_says_what_to_change(tmp_path):
     """The same command again trains nothing: it says so instead of "Training completed".
     With more steps, a last checkpoint of only the model is named, not a KeyError."""
@@ -578,6 +635,23 @@ def test_rerunning_a_finished_run_says_what_to_change(tmp_path):
         longer.output
     )
     assert "Traceback" not in again.output + longer.output
+
+
+@side_by_side
+def test_a_resume_onto_a_longer_schedule_says_so(tmp_path):
+    """training.steps sets the schedule's length: 4 steps continued to 6 train steps 5-6 on
+    another curve than an uninterrupted 6-step run, and the log says so."""
+    full = ("--checkpoint.enable", "--checkpoint.no-last-save-model-only")
+    warmup = ("--lr_scheduler.warmup_steps", "2")
+    first = _launch(tmp_path, "--training.steps", "4", *full, *warmup)
+    assert first.code == 0, first.output[-6000:]
+    longer = _launch(tmp_path, "--training.steps", "6", *full, *warmup)
+    assert longer.code == 0 and sorted(longer.steps) == [5, 6], longer.output[-6000:]
+    assert (
+        "The learning-rate schedule is not the one the checkpoint of step 4 was trained with "
+        "(training.steps or [lr_scheduler] changed): step 5 trains at lr "
+    ) in longer.output
+    assert "set lr_scheduler.total_steps to its final length" in longer.output
 
 
 def test_an_hf_import_that_would_leave_tensors_out_is_refused(hf_qwen3_5, tmp_path):
@@ -828,6 +902,7 @@ def test_nonfinite_loss_guard_decides_after_the_last_micro_batch():
     assert "training.skip_nonfinite_loss_steps = N (now 0)" in message
 
 
+@side_by_side
 def test_nan_steps_are_skipped_then_training_stops_naming_the_last_checkpoint(tmp_path):
     """Rank 1 alone sees NaN losses; rank 0 (whose log this is) skips and stops with it."""
     dump = tmp_path / "run"
@@ -892,10 +967,8 @@ RESUMABLE = (
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def _uninterrupted_run(dump: Path) -> tuple[Run, dict]:
     """The 2-process run the interrupted ones must reproduce: its steps and TensorBoard."""
-    dump = tmp_path_factory.mktemp("uninterrupted")
     run = _launch(dump, *RESUMABLE, ngpu=2)
     assert run.code == 0, run.output[-6000:]
     assert sorted(run.steps) == list(range(1, STEPS + 1))
@@ -914,7 +987,10 @@ def _assert_resumed_like_uninterrupted(dump: Path, resumed: Run, earlier_files, 
         assert resumed_tb[tag] == expected, (tag, resumed_tb[tag], expected)
 
 
-def test_a_killed_rank_resumes_with_the_uninterrupted_losses_and_data(uninterrupted, tmp_path):
+@side_by_side
+def test_a_killed_rank_resumes_with_the_uninterrupted_losses_and_data(
+    uninterrupted: Future, tmp_path
+):
     from titan_gdn.checkpoint_folders import checkpoint_steps
 
     dump, killed = tmp_path / "run", []
@@ -931,7 +1007,8 @@ def test_a_killed_rank_resumes_with_the_uninterrupted_losses_and_data(uninterrup
     assert _killed_by_sigkill(crashed.output, pid=killed[0]), crashed.output[-6000:]
     assert max(crashed.steps) < STEPS  # it died mid-run
     # The steps before the kill were the uninterrupted ones.
-    assert crashed.steps == {step: uninterrupted[0].steps[step] for step in crashed.steps}
+    reference = uninterrupted.result()
+    assert crashed.steps == {step: reference[0].steps[step] for step in crashed.steps}
     complete, _ = checkpoint_steps(dump / "checkpoint")
     last = complete[-1]
     assert last >= 2 and last % INTERVAL == 0, complete
@@ -941,7 +1018,7 @@ def test_a_killed_rank_resumes_with_the_uninterrupted_losses_and_data(uninterrup
     assert resumed.code == 0, resumed.output[-6000:]
     assert f"Training starts at step {last + 1}" in resumed.output
     assert min(resumed.steps) == last + 1
-    _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted)
+    _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, reference)
     # Every sample once: the loader stood exactly `last` batches in at the checkpoint it
     # resumed from, and exactly STEPS batches in at the end, on both ranks.
     for step in (last, STEPS):
@@ -950,7 +1027,10 @@ def test_a_killed_rank_resumes_with_the_uninterrupted_losses_and_data(uninterrup
         )
 
 
-def test_a_checkpoint_interrupted_while_written_is_never_resumed_from(uninterrupted, tmp_path):
+@side_by_side
+def test_a_checkpoint_interrupted_while_written_is_never_resumed_from(
+    uninterrupted: Future, tmp_path
+):
     from torchtitan.components.checkpoint import CheckpointManager
 
     from titan_gdn.checkpoint_folders import checkpoint_steps
@@ -975,7 +1055,7 @@ def test_a_checkpoint_interrupted_while_written_is_never_resumed_from(uninterrup
     assert "Ignoring checkpoint(s) step-4" in resumed.output
     assert f"Loading the checkpoint from {folder}/step-2." in resumed.output
     assert "Training starts at step 3" in resumed.output
-    _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted)
+    _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted.result())
     assert checkpoint_steps(folder) == ([2, 4, 6], [])  # step 4 written again, whole
 
 
@@ -1051,7 +1131,10 @@ def test_resume_passes_over_damaged_checkpoints_to_the_newest_intact_one(tmp_pat
         newest_intact_step(folder, checkpoint_damage)
 
 
-def test_a_checkpoint_damaged_in_place_is_skipped_for_the_one_before(uninterrupted, tmp_path):
+@side_by_side
+def test_a_checkpoint_damaged_in_place_is_skipped_for_the_one_before(
+    uninterrupted: Future, tmp_path
+):
     from titan_gdn.checkpoint import checkpoint_damage
     from titan_gdn.checkpoint_folders import checkpoint_steps
 
@@ -1069,25 +1152,9 @@ def test_a_checkpoint_damaged_in_place_is_skipped_for_the_one_before(uninterrupt
     assert "__1_0.distcp holds other bytes than were saved" in resumed.output
     assert f"Loading the checkpoint from {folder}/step-2." in resumed.output
     assert "Training starts at step 3" in resumed.output
-    _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted)
+    _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted.result())
     assert checkpoint_steps(folder) == ([2, 4, 6], [])  # step 4 written again, whole
     assert checkpoint_damage(folder / "step-4") == []
-
-
-def test_a_resume_onto_a_longer_schedule_says_so(tmp_path):
-    """training.steps sets the schedule's length: 4 steps continued to 6 train steps 5-6 on
-    another curve than an uninterrupted 6-step run, and the log says so."""
-    full = ("--checkpoint.enable", "--checkpoint.no-last-save-model-only")
-    warmup = ("--lr_scheduler.warmup_steps", "2")
-    first = _launch(tmp_path, "--training.steps", "4", *full, *warmup)
-    assert first.code == 0, first.output[-6000:]
-    longer = _launch(tmp_path, "--training.steps", "6", *full, *warmup)
-    assert longer.code == 0 and sorted(longer.steps) == [5, 6], longer.output[-6000:]
-    assert (
-        "The learning-rate schedule is not the one the checkpoint of step 4 was trained with "
-        "(training.steps or [lr_scheduler] changed): step 5 trains at lr "
-    ) in longer.output
-    assert "set lr_scheduler.total_steps to its final length" in longer.output
 
 
 def _alive(pid: int) -> bool:
@@ -1099,6 +1166,7 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+@side_by_side
 def test_a_launcher_killed_with_sigkill_takes_its_ranks_with_it(tmp_path):
     """kill -9 of run_train.sh (torchrun's agent, the ranks' parent) ends the training
     ranks too: none goes on training, writing checkpoints or holding a device."""
