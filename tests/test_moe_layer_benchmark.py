@@ -1,0 +1,97 @@
+"""benchmarks/moe_layer.py end to end on CPU at the debug MoE shape: every point and column in
+its JSON, and the parity check that guards its comparison passes with the copied weights and
+stops the benchmark when one weight differs."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import moe_layer
+from benchmarks.corpora import CORPORA
+from benchmarks.references import transformers_qwen3_5_module
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def modeling():
+    return transformers_qwen3_5_module(torch_path=True, family="qwen3_5_moe")
+
+
+def test_every_point_and_column_on_cpu(tmp_path):
+    out = tmp_path / "moe_layer.json"
+    argv = ["--flavor", "debugmoe", "--tokens", "64", "--device", "cpu", "--reps", "1"]
+    argv += ["--warmup", "0", "--profile-steps", "1", "--check-tokens", "32", "--out", str(out)]
+    moe_layer.main(argv)
+    result = json.loads(out.read_text())
+
+    implementations = moe_layer.installed_experts_implementations()
+    assert "eager" in implementations
+    theirs = [f"transformers_{name}" for name in implementations]
+    for mixer in moe_layer.MIXERS:
+        for name in theirs:
+            errors = result["checks"][mixer][name]
+            assert set(errors) == {"branches", "input_grad"}, errors
+            assert max(errors.values()) <= result["tolerance"]
+    points = {(r["mixer"], r["corpus"], r["candidate"]): r for r in result["results"]}
+    expected = {
+        (m, c, n) for m in moe_layer.MIXERS for c in CORPORA for n in [*theirs, "titan_gdn"]
+    }
+    assert set(points) == expected
+    for (mixer, corpus, candidate), entry in points.items():
+        assert entry["tokens"] == 64 and entry["ms"] > 0 and "step_peak_gib" in entry
+        if candidate == "titan_gdn":
+            # Every part holds work: a hook that never fires leaves its part at zero.
+            assert set(entry["parts_ms"]) == set(moe_layer.PARTS)
+            assert all(ms > 0 for ms in entry["parts_ms"].values()), entry["parts_ms"]
+            assert 0 < entry["grouped_gemm_kernels_ms"] <= entry["parts_ms"]["grouped_gemm"]
+            assert entry["grouped_gemm_tflops"] > 0
+        else:
+            assert entry["over_ours"] == pytest.approx(
+                entry["ms"] / points[mixer, corpus, "titan_gdn"]["ms"], rel=1e-2
+            )
+    assert result["environment"]["command"].startswith("python -m benchmarks.moe_layer")
+    assert result["shape"]["num_experts"] == 8 and result["shape"]["top_k"] == 2
+
+
+@pytest.mark.parametrize(
+    ("mixer", "weight"),
+    [
+        ("linear_attention", "linear_attn.conv1d.weight"),
+        ("linear_attention", "mlp.experts.down_proj"),
+        ("full_attention", "self_attn.q_proj.weight"),
+        ("full_attention", "mlp.shared_expert_gate.weight"),
+    ],
+)
+def test_parity_check_fails_when_one_weight_differs(modeling, mixer, weight):
+    args = moe_layer.layer_args("debugmoe", mixer)
+    ours, theirs, config = moe_layer.build_layers(args, CPU, modeling)
+    layers = moe_layer.SimpleNamespace(
+        args=args, ours=ours, theirs=theirs, config=config, modeling=modeling, delta_rule="torch"
+    )
+    options = moe_layer.parse_args(["--check-tokens", "48"])
+    errors = moe_layer.check_candidate(layers, "eager", options, CPU)
+    assert max(errors.values()) <= options.tolerance  # the copied weights pass
+
+    with torch.no_grad():
+        parameter = theirs.get_parameter(weight)
+        parameter.add_(torch.randn_like(parameter) * parameter.float().std().clamp(min=0.1))
+    with pytest.raises(moe_layer.ParityError, match="transformers_eager differs from ours"):
+        moe_layer.check_candidate(layers, "eager", options, CPU)
+
+
+def test_rows_are_cut_like_each_corpus():
+    short = moe_layer.row_lengths("short", 4096)
+    # The bundled documents: about 54 tokens each, so a 4k row holds dozens of them.
+    assert sum(short) == 4096 and len(short) > 40
+    assert moe_layer.row_lengths("one-document", 4096) == [4096]
+    long_tail = moe_layer.row_lengths("long-tail", 65536)
+    assert sum(long_tail) == 65536 and 3 < len(long_tail) < len(short)
+
+
+def test_bad_settings_are_named_before_any_layer_is_built():
+    with pytest.raises(SystemExit, match="--flavor 0.8B is not a Qwen3.5 MoE flavor"):
+        moe_layer.main(["--flavor", "0.8B", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--transformers-experts \\['fused'\\]"):
+        moe_layer.main(["--transformers-experts", "fused", "--device", "cpu"])
