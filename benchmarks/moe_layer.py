@@ -43,7 +43,9 @@ import argparse
 import contextlib
 import functools
 import importlib.util
+import shlex
 import statistics
+import sys
 import time
 from collections import defaultdict
 from dataclasses import replace
@@ -449,7 +451,9 @@ def grouped_gemm_tflops(args: Qwen35ModelArgs, tokens: int, gemm_ms: float) -> f
 # ---------------------------------------------------------------------------------------------
 
 
-def _environment(device: torch.device) -> dict:
+def _environment(device: torch.device, argv: list[str]) -> dict:
+    """As the other benchmarks record it, with the command of these arguments (main's, which
+    are the process's own unless a caller passes others)."""
     from benchmarks.common import environment
 
     cuda = device.type == "cuda"
@@ -459,7 +463,7 @@ def _environment(device: torch.device) -> dict:
         world_size=1,
         device_name=lambda: torch.cuda.get_device_name(device) if cuda else "CPU",
     )
-    return environment(runtime, MODULE)
+    return {**environment(runtime, MODULE), "command": f"python -m {MODULE} {shlex.join(argv)}"}
 
 
 def _transformers_record(implementations: list[str], device) -> dict:
@@ -604,7 +608,8 @@ def print_table(result: dict) -> None:
     records.print_table(rows, COLUMNS)
 
 
-def main(argv=None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
     options = parse_args(argv)
     found = problems(options)
     if found:
@@ -623,7 +628,7 @@ def main(argv=None) -> dict:
     flavor = qwen3_5_args[options.flavor]
     result = {
         "kind": "moe_layer",
-        "environment": _environment(device),
+        "environment": _environment(device, argv),
         "flavor": options.flavor,
         "shape": {
             "dim": flavor.dim,

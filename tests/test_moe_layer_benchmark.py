@@ -1,6 +1,6 @@
 """benchmarks/moe_layer.py end to end on CPU at the debug MoE shape: every point and column in
-its JSON, and the parity check that guards its comparison passes with the copied weights and
-stops the benchmark when one weight differs."""
+its JSON and in the performance page's table, and the parity check that guards its comparison
+passes with the copied weights and stops the benchmark when one weight differs."""
 
 import json
 
@@ -10,6 +10,8 @@ import torch
 from benchmarks import moe_layer
 from benchmarks.corpora import CORPORA
 from benchmarks.references import transformers_qwen3_5_module
+from benchmarks.report import kernels, page
+from benchmarks.report.tables import Sources
 
 CPU = torch.device("cpu")
 
@@ -19,7 +21,7 @@ def modeling():
     return transformers_qwen3_5_module(torch_path=True, family="qwen3_5_moe")
 
 
-def test_every_point_and_column_on_cpu(tmp_path):
+def test_every_point_and_column_on_cpu_and_its_table(tmp_path):
     out = tmp_path / "moe_layer.json"
     argv = ["--flavor", "debugmoe", "--tokens", "64", "--device", "cpu", "--reps", "1"]
     argv += ["--warmup", "0", "--profile-steps", "1", "--check-tokens", "32", "--out", str(out)]
@@ -53,6 +55,14 @@ def test_every_point_and_column_on_cpu(tmp_path):
             )
     assert result["environment"]["command"].startswith("python -m benchmarks.moe_layer")
     assert result["shape"]["num_experts"] == 8 and result["shape"]["top_k"] == 2
+
+    # The performance page's table of it: a row per entry, the command under it.
+    results = {"moe_layer": [("moe_layer_cpu.json", result)]}
+    lines = kernels.moe_layer_alone(results, Sources(results), {})
+    assert kernels.moe_layer_alone in page.SECTIONS
+    assert list(kernels.MOE_LAYER_PARTS) == list(moe_layer.PARTS)
+    assert len([line for line in lines if line.startswith("| debugmoe |")]) == len(points)
+    assert any("`python -m benchmarks.moe_layer --flavor debugmoe" in line for line in lines)
 
 
 @pytest.mark.parametrize(
