@@ -48,9 +48,10 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import torch
 from torch.autograd import DeviceType
@@ -125,7 +126,7 @@ def installed_experts_implementations() -> list[str]:
     ]
 
 
-def problems(args: argparse.Namespace) -> list[str]:
+def option_problems(args: argparse.Namespace) -> list[str]:
     """Bad settings, named with their fix, before any layer is built."""
     found = []
     flavor = qwen3_5_args.get(args.flavor)
@@ -149,6 +150,8 @@ def problems(args: argparse.Namespace) -> list[str]:
     short = [n for n in args.tokens + [args.check_tokens] if n < 3]
     if short:
         found.append(f"--tokens / --check-tokens {short}: a row needs at least 3 tokens")
+    if args.reps < 1 or args.profile_steps < 1:
+        found.append("--reps and --profile-steps: at least 1 each (the median, the profile)")
     return found
 
 
@@ -161,9 +164,23 @@ def layer_args(flavor: str, mixer: str) -> Qwen35ModelArgs:
     return replace(qwen3_5_args[flavor], n_layers=1, layer_types=[mixer], mlp_only_layers=[])
 
 
-def build_layers(args: Qwen35ModelArgs, device: torch.device, modeling, seed: int = 0):
-    """(ours, transformers', its config): our block initialised as the model initialises it,
-    bf16, and transformers' layer holding the same weights (the state dict adapter's names)."""
+@dataclass
+class LayerPair:
+    """Our block and transformers' layer holding the same weights, and what runs theirs."""
+
+    args: Qwen35ModelArgs
+    ours: DecoderBlock
+    theirs: torch.nn.Module
+    config: Any  # transformers' config: its `_experts_implementation` picks their experts
+    modeling: ModuleType  # transformers' modeling module the layer comes from
+    delta_rule: str  # transformers' delta rule: "fla" (told the documents) or "torch"
+
+
+def build_layers(
+    args: Qwen35ModelArgs, device: torch.device, modeling, delta_rule: str, seed: int = 0
+) -> LayerPair:
+    """Our block initialised as the model initialises it, bf16, and transformers' layer holding
+    the same weights (the state dict adapter's names)."""
     mixer = args.layer_types[0]
     torch.manual_seed(seed)
     with torch.device(device):
@@ -182,7 +199,7 @@ def build_layers(args: Qwen35ModelArgs, device: torch.device, modeling, seed: in
     finally:
         torch.set_default_dtype(previous)
     copy_weights(ours, theirs, args)
-    return ours, theirs, config
+    return LayerPair(args, ours, theirs, config, modeling, delta_rule)
 
 
 def transformers_config(args: Qwen35ModelArgs):
@@ -231,14 +248,14 @@ def boundaries(lengths: list[int], args: Qwen35ModelArgs, device) -> DocumentBou
     return docs
 
 
-def ours_forward(layers, docs: DocumentBoundaries):
+def ours_forward(layers: LayerPair, docs: DocumentBoundaries):
     """Our block's forward on a row, its output only (the routing is for the aux loss)."""
     args = layers.args
     rope = rope_cos_sin(docs.position_ids, args.rotary_dim, args.rope_theta, torch.bfloat16)
     return lambda x: layers.ours(x, docs, rope)[0]
 
 
-def theirs_forward(layers, docs: DocumentBoundaries):
+def theirs_forward(layers: LayerPair, docs: DocumentBoundaries):
     """transformers' layer on a row, told of its documents as its model would tell it."""
     from transformers.masking_utils import create_causal_mask
 
@@ -436,7 +453,9 @@ def _part_index(cpu_ops, chains: _Chains):
         for e in chain:
             if id(e) in ranges:
                 return ranges[id(e)]
-            if _in_backward([e]) and e.sequence_nr in by_sequence:
+            # The engine's event and the node's own both carry the node's sequence number.
+            backward = _in_backward([e]) or "Backward" in e.name
+            if backward and e.sequence_nr in by_sequence:
                 return by_sequence[e.sequence_nr]
         return None
 
@@ -484,16 +503,8 @@ def _transformers_record(implementations: list[str], device) -> dict:
 
 
 def measure_mixer(mixer: str, options, device, modeling, result: dict) -> None:
-    args = layer_args(options.flavor, mixer)
-    ours, theirs, config = build_layers(args, device, modeling)
-    layers = SimpleNamespace(
-        args=args,
-        ours=ours,
-        theirs=theirs,
-        config=config,
-        modeling=modeling,
-        delta_rule=result["transformers"]["delta_rule"],
-    )
+    delta_rule = result["transformers"]["delta_rule"]
+    layers = build_layers(layer_args(options.flavor, mixer), device, modeling, delta_rule)
     implementations = result["transformers"]["experts_implementations"]
     checks = result["checks"].setdefault(mixer, {})
     for implementation in implementations:
@@ -509,7 +520,7 @@ def measure_mixer(mixer: str, options, device, modeling, result: dict) -> None:
                 torch.cuda.empty_cache()
 
 
-def check_candidate(layers, implementation: str, options, device) -> dict | str:
+def check_candidate(layers: LayerPair, implementation: str, options, device) -> dict | str:
     """The check's errors; a string where this device cannot run the implementation."""
     args, tokens = layers.args, options.check_tokens
     lengths = [tokens]
@@ -528,7 +539,7 @@ def check_candidate(layers, implementation: str, options, device) -> dict | str:
         return f"{type(error).__name__}: {str(error)[:200]}"
 
 
-def measure_point(layers, tokens: int, corpus: str, implementations, options, device):
+def measure_point(layers: LayerPair, tokens: int, corpus: str, implementations, options, device):
     """Ours, then each transformers implementation, on one row: their result entries."""
     lengths = row_lengths(corpus, tokens)
     docs = boundaries(lengths, layers.args, device)
@@ -568,7 +579,7 @@ def measure_point(layers, tokens: int, corpus: str, implementations, options, de
             entry.update(
                 ms=round(ms, 3),
                 step_peak_gib=step_peak_gib(step, device),
-                over_ours=round(ms / ours_ms, 3),
+                over_ours=float(f"{ms / ours_ms:.4g}"),
             )
         except Exception as error:  # out of memory, most likely
             entry["error"] = f"{type(error).__name__}: {str(error)[:200]}"
@@ -611,7 +622,7 @@ def print_table(result: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     options = parse_args(argv)
-    found = problems(options)
+    found = option_problems(options)
     if found:
         raise SystemExit("moe_layer: " + "; ".join(found))
     device = torch.device(options.device)

@@ -76,16 +76,13 @@ def test_every_point_and_column_on_cpu_and_its_table(tmp_path):
 )
 def test_parity_check_fails_when_one_weight_differs(modeling, mixer, weight):
     args = moe_layer.layer_args("debugmoe", mixer)
-    ours, theirs, config = moe_layer.build_layers(args, CPU, modeling)
-    layers = moe_layer.SimpleNamespace(
-        args=args, ours=ours, theirs=theirs, config=config, modeling=modeling, delta_rule="torch"
-    )
+    layers = moe_layer.build_layers(args, CPU, modeling, delta_rule="torch")
     options = moe_layer.parse_args(["--check-tokens", "48"])
     errors = moe_layer.check_candidate(layers, "eager", options, CPU)
     assert max(errors.values()) <= options.tolerance  # the copied weights pass
 
     with torch.no_grad():
-        parameter = theirs.get_parameter(weight)
+        parameter = layers.theirs.get_parameter(weight)
         parameter.add_(torch.randn_like(parameter) * parameter.float().std().clamp(min=0.1))
     with pytest.raises(moe_layer.ParityError, match="transformers_eager differs from ours"):
         moe_layer.check_candidate(layers, "eager", options, CPU)
@@ -105,3 +102,34 @@ def test_bad_settings_are_named_before_any_layer_is_built():
         moe_layer.main(["--flavor", "0.8B", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--transformers-experts \\['fused'\\]"):
         moe_layer.main(["--transformers-experts", "fused", "--device", "cpu"])
+
+
+def test_gpu_kernels_go_to_the_part_whose_forward_made_them():
+    """A hand-made CUDA trace of one call: backward kernels follow their node's sequence number
+    to the forward part; inside the grouped-GEMM part only the GEMMs count as GEMM time."""
+    from tests.test_benchmarks import _event, _kernel
+
+    router = _event(1, moe_layer.PART_RANGE + "router", 0, 10, is_user_annotation=True)
+    logits = _event(2, "aten::mm", 1, 5, router, seq=3)
+    gemms = _event(3, moe_layer.PART_RANGE + "grouped_gemm", 20, 40, is_user_annotation=True)
+    gate_up = _event(4, "aten::_grouped_mm", 21, 30, gemms, seq=5)
+    engine = _event(5, "autograd::engine::evaluate_function: GroupedMmBackward0", 100, 150)
+    node = _event(6, "GroupedMmBackward0", 101, 149, engine, seq=5)
+    grad_gemm = _event(7, "aten::_grouped_mm", 102, 120, node)
+    layout = _event(8, "aten::copy_", 121, 130, node)
+    accumulate = _event(9, "autograd::engine::evaluate_function: AccumulateGrad", 160, 170)
+    kernels = [
+        _kernel(10, "nvjet_router", 2, 4, logits),
+        _kernel(11, "cutlass_grouped_fwd", 22, 28, gate_up),
+        _kernel(12, "cutlass_grouped_bwd", 103, 115, grad_gemm),
+        _kernel(13, "elementwise_copy", 122, 126, layout),
+        _kernel(14, "elementwise_add", 161, 163, accumulate),
+    ]
+    cpu = [router, logits, gemms, gate_up, engine, node, grad_gemm, layout, accumulate]
+    result = moe_layer.part_times_ms(cpu + kernels, cuda=True, steps=1)
+    parts = result["parts_ms"]
+    assert parts["router"] == 0.002
+    assert parts["grouped_gemm"] == 0.022  # 6 forward + 12 backward + 4 of the copy
+    assert result["grouped_gemm_kernels_ms"] == 0.018
+    assert parts["other"] == 0.002  # gradient accumulation: no forward part
+    assert parts["mixer"] == parts["permutation"] == 0
