@@ -34,7 +34,11 @@ def test_every_point_and_column_on_cpu_and_its_table(tmp_path):
     for mixer in moe_layer.MIXERS:
         for name in theirs:
             errors = result["checks"][mixer][name]
-            assert set(errors) == {"branches", "input_grad"}, errors
+            assert set(errors) == {
+                f"{branch}_{what}"
+                for branch in ("mixer", "moe")
+                for what in ("output", "input_grad")
+            }, errors
             assert max(errors.values()) <= result["tolerance"]
     points = {(r["mixer"], r["corpus"], r["candidate"]): r for r in result["results"]}
     expected = {

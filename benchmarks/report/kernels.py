@@ -234,8 +234,8 @@ def moe_layer_alone(results: dict, sources: Sources, plots: dict) -> list[str]:
         "the call allocates above what was held before it; `/ ours` is transformers' time over "
         "ours. Our parts are GPU kernel ms from a profiled call (backward included); grouped "
         "GEMM TFLOP/s counts 2 * tokens * top_k * 3 * I * D forward, 3x that forward + "
-        "backward, over the grouped GEMM kernels. Each transformers layer's output and input "
-        "gradient were first checked against ours.",
+        "backward, over the grouped GEMM kernels. Each transformers layer was first checked "
+        "against ours: each residual branch's output and input gradient on the same input.",
         "",
     ]
     return intro + sources.table(headings, body, [name for name, _ in files])
