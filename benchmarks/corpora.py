@@ -15,6 +15,7 @@ tokens of the bundled tokenizer (re-encoding a cut text gives back about as many
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -50,7 +51,10 @@ def corpus_path(name: str) -> Path:
 
 
 def document_lengths(name: str, total_tokens: int) -> list[int]:
-    """Token counts of the corpus's documents, in order, adding up to `total_tokens`."""
+    """Token counts of the corpus's documents, in order, adding up to at least `total_tokens`
+    (the last one may end past it, where the loader cuts it)."""
+    if name == "short":
+        return _repeated(_bundled_document_lengths(), total_tokens)
     if name == "one-document":
         count = math.ceil(total_tokens / ONE_DOCUMENT_TOKENS)
         return [ONE_DOCUMENT_TOKENS] * count
@@ -65,6 +69,32 @@ def document_lengths(name: str, total_tokens: int) -> list[int]:
             if total >= total_tokens:
                 break
     return lengths
+
+
+@functools.cache
+def _bundled_document_lengths() -> tuple[int, ...]:
+    """The bundled corpus's documents (blank-line separated, as the loader reads them) in
+    tokens, with the BOS and EOS that the loader adds to each."""
+    from titan_gdn.data.sources import TextFileSource
+    from titan_gdn.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(TOKENIZER))
+    special = len(tokenizer.encode("", add_bos=True, add_eos=True))
+    texts = list(TextFileSource(SOURCE).iter_documents(0, 1))
+    encoded = tokenizer.tokenizer.encode_batch(texts, add_special_tokens=False)
+    return tuple(len(e.ids) + special for e in encoded)
+
+
+def _repeated(lengths: tuple[int, ...], total_tokens: int) -> list[int]:
+    """`lengths` in order, from the start again as often as needed, up to `total_tokens`."""
+    out, total = [], 0
+    while total < total_tokens:
+        for length in lengths:
+            out.append(length)
+            total += length
+            if total >= total_tokens:
+                break
+    return out
 
 
 def write_corpus(name: str, path: Path) -> None:

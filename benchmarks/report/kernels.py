@@ -1,5 +1,6 @@
 """Where a step's time goes, by kernel category and block type, and the kernels alone: FLA's
-delta rule at each GDN layer's shape, attention at Qwen3.5's."""
+delta rule at each GDN layer's shape, attention at Qwen3.5's, one MoE layer against
+transformers'."""
 
 from __future__ import annotations
 
@@ -206,3 +207,47 @@ def attention_alone(results: dict, sources: Sources, plots: dict) -> list[str]:
         "",
     ]
     return intro + sources.table(headings, body, [name for name, _ in files])
+
+
+@question("How fast is one MoE layer against transformers'?")
+def moe_layer_alone(results: dict, sources: Sources, plots: dict) -> list[str]:
+    files = results.get("moe_layer", [])
+    body = []
+    for name, data in files:
+        flavor = data["flavor"]
+        for r in data["results"]:
+            parts = r.get("parts_ms", {})
+            row = [flavor, _MIXER_NAMES.get(r["mixer"], r["mixer"]), r["tokens"], r["corpus"]]
+            row += [r["documents"], r["candidate"], r.get("ms"), r.get("step_peak_gib")]
+            row += [ratio(r["over_ours"]) if r.get("over_ours") else r.get("error")]
+            row += [parts.get(p) for p in MOE_LAYER_PARTS] + [r.get("grouped_gemm_tflops")]
+            body.append((name, row))
+    if not body:
+        return []
+    headings = ["flavor", "mixer", "tokens", "corpus", "documents", "layer", "fwd+bwd ms"]
+    headings += ["peak GiB", "/ ours", *MOE_LAYER_PARTS.values(), "grouped GEMM TFLOP/s"]
+    intro = [
+        "One Qwen3.5 MoE decoder layer alone, bf16, forward and backward "
+        "(`python -m benchmarks.moe_layer`): ours against transformers' "
+        "`Qwen3_5MoeDecoderLayer` holding the same weights, with each of its experts "
+        "implementations, on one row whose documents are cut like the corpus. Peak GiB is what "
+        "the call allocates above what was held before it; `/ ours` is transformers' time over "
+        "ours. Our parts are GPU kernel ms from a profiled call (backward included); grouped "
+        "GEMM TFLOP/s counts 2 * tokens * top_k * 3 * I * D forward, 3x that forward + "
+        "backward, over the grouped GEMM kernels. Each transformers layer was first checked "
+        "against ours: each residual branch's output and input gradient on the same input.",
+        "",
+    ]
+    return intro + sources.table(headings, body, [name for name, _ in files])
+
+
+_MIXER_NAMES = {"linear_attention": "GDN", "full_attention": "attention"}
+MOE_LAYER_PARTS = {
+    "router": "router ms",
+    "permutation": "permutation ms",
+    "grouped_gemm": "grouped GEMMs ms",
+    "combine": "combine ms",
+    "shared_expert": "shared expert ms",
+    "mixer": "mixer ms",
+    "other": "other ms",
+}

@@ -28,6 +28,7 @@ SECTIONS = (
     parallel.all_to_alls,
     kernels.delta_rule_kernel,
     kernels.attention_alone,
+    kernels.moe_layer_alone,
     targets.targets_met,
     training.training_runs,
 )

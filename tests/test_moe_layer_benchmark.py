@@ -1,0 +1,139 @@
+"""benchmarks/moe_layer.py end to end on CPU at the debug MoE shape: every point and column in
+its JSON and in the performance page's table, and the parity check that guards its comparison
+passes with the copied weights and stops the benchmark when one weight differs."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import moe_layer
+from benchmarks.corpora import CORPORA
+from benchmarks.references import transformers_qwen3_5_module
+from benchmarks.report import kernels, page
+from benchmarks.report.tables import Sources
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def modeling():
+    return transformers_qwen3_5_module(torch_path=True, family="qwen3_5_moe")
+
+
+def test_every_point_and_column_on_cpu_and_its_table(tmp_path):
+    out = tmp_path / "moe_layer.json"
+    argv = ["--flavor", "debugmoe", "--tokens", "64", "--device", "cpu", "--reps", "1"]
+    argv += ["--warmup", "0", "--profile-steps", "1", "--check-tokens", "32", "--out", str(out)]
+    moe_layer.main(argv)
+    result = json.loads(out.read_text())
+
+    implementations = moe_layer.installed_experts_implementations()
+    assert "eager" in implementations
+    theirs = [f"transformers_{name}" for name in implementations]
+    for mixer in moe_layer.MIXERS:
+        for name in theirs:
+            errors = result["checks"][mixer][name]
+            assert set(errors) == {
+                f"{branch}_{what}"
+                for branch in ("mixer", "moe")
+                for what in ("output", "input_grad")
+            }, errors
+            assert max(errors.values()) <= result["tolerance"]
+    points = {(r["mixer"], r["corpus"], r["candidate"]): r for r in result["results"]}
+    expected = {
+        (m, c, n) for m in moe_layer.MIXERS for c in CORPORA for n in [*theirs, "titan_gdn"]
+    }
+    assert set(points) == expected
+    for (mixer, corpus, candidate), entry in points.items():
+        assert entry["tokens"] == 64 and entry["ms"] > 0 and "step_peak_gib" in entry
+        if candidate == "titan_gdn":
+            # Every part holds work: a hook that never fires leaves its part at zero.
+            assert set(entry["parts_ms"]) == set(moe_layer.PARTS)
+            assert all(ms > 0 for ms in entry["parts_ms"].values()), entry["parts_ms"]
+            assert 0 < entry["grouped_gemm_kernels_ms"] <= entry["parts_ms"]["grouped_gemm"]
+            assert entry["grouped_gemm_tflops"] > 0
+        else:
+            assert entry["over_ours"] == pytest.approx(
+                entry["ms"] / points[mixer, corpus, "titan_gdn"]["ms"], rel=1e-2
+            )
+    assert result["environment"]["command"].startswith("python -m benchmarks.moe_layer")
+    assert result["shape"]["num_experts"] == 8 and result["shape"]["top_k"] == 2
+
+    # The performance page's table of it: a row per entry, the command under it.
+    results = {"moe_layer": [("moe_layer_cpu.json", result)]}
+    lines = kernels.moe_layer_alone(results, Sources(results), {})
+    assert kernels.moe_layer_alone in page.SECTIONS
+    assert list(kernels.MOE_LAYER_PARTS) == list(moe_layer.PARTS)
+    assert len([line for line in lines if line.startswith("| debugmoe |")]) == len(points)
+    assert any("`python -m benchmarks.moe_layer --flavor debugmoe" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("mixer", "weight"),
+    [
+        ("linear_attention", "linear_attn.conv1d.weight"),
+        ("linear_attention", "mlp.experts.down_proj"),
+        ("full_attention", "self_attn.q_proj.weight"),
+        ("full_attention", "mlp.shared_expert_gate.weight"),
+    ],
+)
+def test_parity_check_fails_when_one_weight_differs(modeling, mixer, weight):
+    args = moe_layer.layer_args("debugmoe", mixer)
+    layers = moe_layer.build_layers(args, CPU, modeling, delta_rule="torch")
+    options = moe_layer.parse_args(["--check-tokens", "48"])
+    errors = moe_layer.check_candidate(layers, "eager", options, CPU)
+    assert max(errors.values()) <= options.tolerance  # the copied weights pass
+
+    with torch.no_grad():
+        parameter = layers.theirs.get_parameter(weight)
+        parameter.add_(torch.randn_like(parameter) * parameter.float().std().clamp(min=0.1))
+    with pytest.raises(moe_layer.ParityError, match="transformers_eager differs from ours"):
+        moe_layer.check_candidate(layers, "eager", options, CPU)
+
+
+def test_rows_are_cut_like_each_corpus():
+    short = moe_layer.row_lengths("short", 4096)
+    # The bundled documents: about 54 tokens each, so a 4k row holds dozens of them.
+    assert sum(short) == 4096 and len(short) > 40
+    assert moe_layer.row_lengths("one-document", 4096) == [4096]
+    long_tail = moe_layer.row_lengths("long-tail", 65536)
+    assert sum(long_tail) == 65536 and 3 < len(long_tail) < len(short)
+
+
+def test_bad_settings_are_named_before_any_layer_is_built():
+    with pytest.raises(SystemExit, match="--flavor 0.8B is not a Qwen3.5 MoE flavor"):
+        moe_layer.main(["--flavor", "0.8B", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--transformers-experts \\['fused'\\]"):
+        moe_layer.main(["--transformers-experts", "fused", "--device", "cpu"])
+
+
+def test_gpu_kernels_go_to_the_part_whose_forward_made_them():
+    """A hand-made CUDA trace of one call: backward kernels follow their node's sequence number
+    to the forward part; inside the grouped-GEMM part only the GEMMs count as GEMM time."""
+    from tests.test_benchmarks import _event, _kernel
+
+    router = _event(1, moe_layer.PART_RANGE + "router", 0, 10, is_user_annotation=True)
+    logits = _event(2, "aten::mm", 1, 5, router, seq=3)
+    gemms = _event(3, moe_layer.PART_RANGE + "grouped_gemm", 20, 40, is_user_annotation=True)
+    gate_up = _event(4, "aten::_grouped_mm", 21, 30, gemms, seq=5)
+    engine = _event(5, "autograd::engine::evaluate_function: GroupedMmBackward0", 100, 150)
+    node = _event(6, "GroupedMmBackward0", 101, 149, engine, seq=5)
+    grad_gemm = _event(7, "aten::_grouped_mm", 102, 120, node)
+    layout = _event(8, "aten::copy_", 121, 130, node)
+    accumulate = _event(9, "autograd::engine::evaluate_function: AccumulateGrad", 160, 170)
+    kernels = [
+        _kernel(10, "nvjet_router", 2, 4, logits),
+        _kernel(11, "cutlass_grouped_fwd", 22, 28, gate_up),
+        _kernel(12, "cutlass_grouped_bwd", 103, 115, grad_gemm),
+        _kernel(13, "elementwise_copy", 122, 126, layout),
+        _kernel(14, "elementwise_add", 161, 163, accumulate),
+    ]
+    cpu = [router, logits, gemms, gate_up, engine, node, grad_gemm, layout, accumulate]
+    result = moe_layer.part_times_ms(cpu + kernels, cuda=True, steps=1)
+    parts = result["parts_ms"]
+    assert parts["router"] == 0.002
+    assert parts["grouped_gemm"] == 0.022  # 6 forward + 12 backward + 4 of the copy
+    assert result["grouped_gemm_kernels_ms"] == 0.018
+    assert parts["other"] == 0.002  # gradient accumulation: no forward part
+    assert parts["mixer"] == parts["permutation"] == 0
