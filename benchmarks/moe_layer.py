@@ -5,7 +5,9 @@ attention), at each row length, on rows whose documents are cut like each corpus
     python -m benchmarks.moe_layer --out docs/results/moe_layer_h200.json
 
 The shape is the flavor's (`--flavor`, default 35B-A3B) with one layer. Ours is the model's
-`DecoderBlock`; transformers' layer gets the same weights through the state dict adapter and runs
+`DecoderBlock`, compiled as the trainer compiles an MoE block under `compile.enable` (each part
+but the routed experts; `--compile-backend`, none: eager); transformers' layer, eager as its
+models run by default, gets the same weights through the state dict adapter and runs
 with each experts implementation the installed transformers has among `eager` (its experts
 module's own loop over the experts hit) and `grouped_mm` (what its `from_pretrained` picks where
 it can). A row of `--tokens` tokens holds the first documents of the corpus
@@ -74,6 +76,7 @@ from titan_gdn.model.layer_types import FULL_ATTENTION, LINEAR_ATTENTION
 from titan_gdn.model.model import DecoderBlock
 from titan_gdn.model.state_dict_adapter import Qwen35StateDictAdapter
 from titan_gdn.ops.attention import document_causal_block_mask, resolve_attn_backend
+from titan_gdn.parallel.parallelize import compile_moe_block
 
 MODULE = "benchmarks.moe_layer"
 MIXERS = (LINEAR_ATTENTION, FULL_ATTENTION)
@@ -106,6 +109,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(default: those the installed transformers has)",
     )
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend for our block, compiled as the trainer compiles an MoE "
+        "block (compile.enable in the shipped configs); none: eager",
+    )
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=3)
@@ -540,6 +549,8 @@ def _transformers_record(implementations: list[str], device) -> dict:
 def measure_mixer(mixer: str, options, device, modeling, result: dict) -> None:
     delta_rule = result["transformers"]["delta_rule"]
     layers = build_layers(layer_args(options.flavor, mixer), device, modeling, delta_rule)
+    if options.compile_backend != "none":
+        compile_moe_block(layers.ours, options.compile_backend)
     implementations = result["transformers"]["experts_implementations"]
     checks = result["checks"].setdefault(mixer, {})
     for implementation in implementations:
@@ -668,6 +679,9 @@ def main(argv: list[str] | None = None) -> dict:
         from titan_gdn.ops.delta_rule.hopper_guard import allow_fla_hopper_bk128
 
         allow_fla_hopper_bk128()
+    # The trainer compiles for its one row length; here each length gets its own static graph,
+    # not one graph generalised over lengths after the second.
+    torch._dynamo.config.automatic_dynamic_shapes = False
     family = TRANSFORMERS_CLASSES[MOE][0]
     modeling = transformers_qwen3_5_module(torch_path=not cuda, family=family)
     flavor = qwen3_5_args[options.flavor]
@@ -683,6 +697,7 @@ def main(argv: list[str] | None = None) -> dict:
             "shared_expert_hidden_dim": flavor.shared_expert_hidden_dim,
         },
         "dtype": "bfloat16",
+        "compile_backend": options.compile_backend,
         "transformers": _transformers_record(implementations, device),
         "tolerance": options.tolerance,
         "checks": {},

@@ -25,6 +25,7 @@ def test_every_point_and_column_on_cpu_and_its_table(tmp_path):
     out = tmp_path / "moe_layer.json"
     argv = ["--flavor", "debugmoe", "--tokens", "64", "--device", "cpu", "--reps", "1"]
     argv += ["--warmup", "0", "--profile-steps", "1", "--check-tokens", "32", "--out", str(out)]
+    argv += ["--compile-backend", "eager"]  # compiled as the trainer does, no codegen on CPU
     moe_layer.main(argv)
     result = json.loads(out.read_text())
 

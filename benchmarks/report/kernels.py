@@ -227,15 +227,16 @@ def moe_layer_alone(results: dict, sources: Sources, plots: dict) -> list[str]:
     headings = ["flavor", "mixer", "tokens", "corpus", "documents", "layer", "fwd+bwd ms"]
     headings += ["peak GiB", "/ ours", *MOE_LAYER_PARTS.values(), "grouped GEMM TFLOP/s"]
     intro = [
-        "One Qwen3.5 MoE decoder layer alone, bf16, forward and backward "
-        "(`python -m benchmarks.moe_layer`): ours against transformers' "
-        "`Qwen3_5MoeDecoderLayer` holding the same weights, with each of its experts "
-        "implementations, on one row whose documents are cut like the corpus. Peak GiB is what "
-        "the call allocates above what was held before it; `/ ours` is transformers' time over "
-        "ours. Our parts are GPU kernel ms from a profiled call (backward included); grouped "
-        "GEMM TFLOP/s counts 2 * tokens * top_k * 3 * I * D forward, 3x that forward + "
-        "backward, over the grouped GEMM kernels. Each transformers layer was first checked "
-        "against ours: each residual branch's output and input gradient on the same input.",
+        "One Qwen3.5 MoE decoder layer alone, bf16, forward and backward (`python -m "
+        "benchmarks.moe_layer`): ours, compiled as the trainer compiles it, against "
+        "transformers' `Qwen3_5MoeDecoderLayer` (eager) holding the same weights, with each of "
+        "its experts implementations, on one row whose documents are cut like the corpus. Peak "
+        "GiB is what the call allocates above what was held before it; `/ ours` is "
+        "transformers' time over ours. Our parts are GPU kernel ms from a profiled call "
+        "(backward included); grouped GEMM TFLOP/s counts 2 * tokens * top_k * 3 * I * D "
+        "forward, 3x that forward + backward, over the grouped GEMM kernels. Each transformers "
+        "layer was first checked against ours: each residual branch's output and input gradient"
+        " on the same input.",
         "",
     ]
     return intro + sources.table(headings, body, [name for name, _ in files])

@@ -114,7 +114,7 @@ def _compile_blocks(model: nn.Module, backend: str, cudagraphs: bool) -> None:
         model.block_mask_storage = {}  # the masks' static inputs at fixed addresses
     for layer_id, block in model.layers.named_children():
         if block.moe:
-            _compile_moe_block(block, backend)
+            compile_moe_block(block, backend)
             continue
         model.layers.register_module(
             layer_id, torch.compile(block, backend=backend, fullgraph=True, options=options)
@@ -169,7 +169,7 @@ def cudagraph_problems(job_config, world_size: int, moe: bool) -> list[str]:
     return problems
 
 
-def _compile_moe_block(block: nn.Module, backend: str) -> None:
+def compile_moe_block(block: nn.Module, backend: str) -> None:
     """Compile an MoE block's parts but its routed experts, as torchtitan's MoE models do: the
     experts' token dispatch reads the group sizes on the host (expert parallel, the CPU loop)
     and FSDP's hooks on them would break a block-wide graph."""
