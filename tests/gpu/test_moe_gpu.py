@@ -41,7 +41,7 @@ def test_grouped_mm_experts_match_the_fp32_loop(flavor, tokens, compiled):
     # test is about the experts, so both blocks route in fp32 and pick the same ones.
     grouped.gate.forward = torch.autocast("cuda", enabled=False)(grouped.gate.forward)
     if compiled:  # as parallelize compiles an MoE block: all but the routed experts
-        for name in ("gate", "shared_expert", "shared_expert_gate"):
+        for name in ("gate", "dispatch", "combine", "shared_expert", "shared_expert_gate"):
             setattr(grouped, name, torch.compile(getattr(grouped, name), fullgraph=True))
     x = torch.randn(2, tokens // 2, reference.gate.weight.shape[1], device="cuda")
     want = _outputs_and_grads(reference, x)

@@ -79,6 +79,42 @@ class GroupedExperts(nn.Module):
         return experts_swiglu(gate_up, down, rows, group_ends, backend)
 
 
+class GroupDispatch(nn.Module):
+    """Tokens into the rows the grouped GEMMs read, without expert parallel: each choice's
+    token in its expert's padded group (`padded_slots`). A module without weights so that the
+    trainer compiles it with the block's other parts (one gather, fused with its indexing).
+
+    (tokens [N, D], experts [N, k]) -> (rows [N * k + E * alignment, D], the slot of each
+    choice [N * k], the rows of each group [E])."""
+
+    def __init__(self, num_experts: int, top_k: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+
+    def forward(self, tokens: torch.Tensor, experts: torch.Tensor):
+        slots, rows_per_group = padded_slots(experts, self.num_experts)
+        # Rows past a group's tokens, and past the last group (the buffer's size is fixed, the
+        # groups' sizes are not), read an appended zero row, as in torchtitan's permutation:
+        # their outputs are never read, and whatever gradient the grouped GEMMs leave in their
+        # rows (the rows past the last group are not written) lands on that row, not a token.
+        capacity = len(slots) + self.num_experts * group_alignment()
+        token_of_slot = torch.full((capacity,), len(tokens), dtype=slots.dtype, device=slots.device)
+        token_of_slot[slots] = torch.arange(len(slots), device=slots.device) // self.top_k
+        with_zero_row = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[-1])])
+        return with_zero_row[token_of_slot], slots, rows_per_group
+
+
+class GroupCombine(nn.Module):
+    """Each token's k expert outputs, read from their slots, summed with the router's weights:
+    (rows [M, D], slots [N * k], weights [N, k]) -> [N, D]. A module without weights, compiled
+    by the trainer with the block's other parts (gather, scale and sum in one kernel)."""
+
+    def forward(self, rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor):
+        per_choice = rows[slots].view(*weights.shape, rows.shape[-1])
+        return (per_choice * weights.unsqueeze(-1)).sum(dim=1)
+
+
 class SparseMoeBlock(nn.Module):
     """x [B, T, D] -> (output [B, T, D], router probabilities [B*T, E], experts [B*T, k]).
 
@@ -92,9 +128,11 @@ class SparseMoeBlock(nn.Module):
         self.gate = TopKRouter(
             args.dim, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob
         )
+        self.dispatch = GroupDispatch(args.num_experts, args.num_experts_per_tok)
         self.experts = GroupedExperts(
             args.dim, args.moe_hidden_dim, args.num_experts, args.experts_backend
         )
+        self.combine = GroupCombine()
         self.shared_expert = FeedForward(args.dim, args.shared_expert_hidden_dim)
         self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False)
 
@@ -108,31 +146,19 @@ class SparseMoeBlock(nn.Module):
     def route(self, tokens, weights, experts) -> torch.Tensor:
         """Each token through its k experts, outputs summed with their weights."""
         if self.experts.expert_parallel:
-            return self._route_sorted(tokens, weights, experts)
-        slots, rows_per_group = padded_slots(experts, self.experts.num_experts)
-        # Rows past a group's tokens, and past the last group (the buffer's size is fixed, the
-        # groups' sizes are not), read an appended zero row, as in torchtitan's permutation:
-        # their outputs are never read, and whatever gradient the grouped GEMMs leave in their
-        # rows (the rows past the last group are not written) lands on that row, not a token.
-        capacity = len(slots) + self.experts.num_experts * group_alignment()
-        token_of_slot = torch.full((capacity,), len(tokens), dtype=slots.dtype, device=slots.device)
-        token_of_slot[slots] = torch.arange(len(slots), device=slots.device) // self.top_k
-        with_zero_row = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[-1])])
-        out = self.experts(with_zero_row[token_of_slot], rows_per_group)
-        per_choice = out[slots].view(-1, self.top_k, tokens.shape[-1])
-        return (per_choice * weights.unsqueeze(-1)).sum(dim=1)
+            rows, slots, rows_per_expert = self._sorted_by_expert(tokens, experts)
+            return self.combine(self.experts(rows, rows_per_expert), slots, weights)
+        rows, slots, rows_per_group = self.dispatch(tokens, experts)
+        return self.combine(self.experts(rows, rows_per_group), slots, weights)
 
-    def _route_sorted(self, tokens, weights, experts) -> torch.Tensor:
+    def _sorted_by_expert(self, tokens, experts):
         """The layout expert parallel's dispatch takes: rows sorted by expert, no padding (the
         dispatch pads the groups of each rank's experts after the all-to-all)."""
         order = torch.argsort(experts.flatten(), stable=True)
-        out = self.experts(
-            tokens[order // self.top_k], choices_per_expert(experts, self.experts.num_experts)
-        )
-        unsorted = out.new_empty(out.shape)
-        unsorted[order] = out
-        per_choice = unsorted.view(-1, self.top_k, tokens.shape[-1])
-        return (per_choice * weights.unsqueeze(-1)).sum(dim=1)
+        slots = torch.empty_like(order)
+        slots[order] = torch.arange(len(order), device=order.device)
+        counts = choices_per_expert(experts, self.experts.num_experts)
+        return tokens[order // self.top_k], slots, counts
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.gate.weight, mean=0.0, std=std)
