@@ -92,6 +92,33 @@ def test_fla_op_keeps_low_precision_outputs_and_input_dtypes_for_grads(stand_in)
         assert result[f"d{name}"].dtype == inputs[name].dtype, name
 
 
+def test_a_long_row_is_tuned_on_its_first_tokens_before_it_runs(stand_in, monkeypatch):
+    """FLA tunes a kernel at its first launch; a long row's first call runs FLA's forward and
+    backward on a short row first (the backward's tuning then happens with little memory
+    held), once per process and head shape; the row's own results are untouched."""
+    lengths = {"forward": [], "backward": []}
+    for name in lengths:
+        kernel = getattr(stand_in, name)
+
+        def counted(*args, _kernel=kernel, _name=name, **kwargs):
+            lengths[_name].append(kwargs["q"].shape[1])
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(stand_in, name, counted)
+    monkeypatch.setattr(fla_op, "_tuned", set())
+    expected = _output_and_grads(_fla, _inputs())  # 75 tokens, not longer than the default
+    assert lengths == {"forward": [TOKENS], "backward": [TOKENS]}
+
+    monkeypatch.setattr(fla_op, "TUNING_TOKENS", 16)
+    lengths["forward"].clear(), lengths["backward"].clear()
+    first = _output_and_grads(_fla, _inputs())
+    assert lengths == {"forward": [16, TOKENS], "backward": [16, TOKENS]}
+    again = _output_and_grads(_fla, _inputs())
+    assert lengths == {"forward": [16, TOKENS, TOKENS], "backward": [16, TOKENS, TOKENS]}
+    for name, value in expected.items():
+        assert torch.equal(first[name], value) and torch.equal(again[name], value), name
+
+
 def test_document_chunks_are_fla_s_chunk_indices():
     """The boundaries and chunk indices handed to FLA's conv and delta rule are what FLA
     derives itself (`prepare_chunk_indices`), for fresh random packings with 1-token

@@ -32,6 +32,9 @@ from titan_gdn.ops.local_memory import release_after_first_use
 
 # FLA's default chunk size for the gated delta rule; A is [1, T, Hv, CHUNK_SIZE].
 CHUNK_SIZE = FLA_CHUNK_SIZE
+# Rows longer than this have FLA's kernels tuned on their first this many tokens first.
+TUNING_TOKENS = 8192
+_tuned: set[tuple] = set()
 # The ops' schemas: a forward op's inputs, and the residuals that FLA's forward leaves for its
 # backward (outputs of the forward ops after o, inputs of the backward ops after grad_o).
 INPUTS = "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens"
@@ -79,6 +82,7 @@ def fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale: float | None) -> T
 
 def _gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens, scale):
     """o and the residuals (q, q_rstd, k, k_rstd, v, g_cumsum, A) that the backward takes."""
+    _tune_on_a_short_row_first(q, k, v, g, beta, scale)
     fla = load_fla_kernels()
     # FLA types cu_seqlens as LongTensor, but every kernel casts what it loads, and int32 is
     # what FLA's own layers pass. No .long(): the trimmed tensor is then the same object
@@ -108,6 +112,27 @@ def _gated_delta_rule_fla(q, k, v, g, beta, cu_seqlens, scale):
     release_after_first_use("gated_delta_rule_fla", q, v)
     # FLA returns o in q's dtype; the contract is v's.
     return o.to(q.dtype).to(v.dtype), q_unit, q_rstd, k_unit, k_rstd, v_saved, g_cumsum, A
+
+
+def _tune_on_a_short_row_first(q, k, v, g, beta, scale) -> None:
+    """The first time a process meets these head counts, widths and dtypes on a long row, run
+    FLA's forward and backward on the row's first `TUNING_TOKENS` tokens (one document) before
+    the row itself. FLA autotunes each kernel at its first launch, keyed by heads, widths and
+    dtypes but not length, so the backward's tuning happens here, in the first layer's forward
+    while little memory is held, instead of in the backward at the step's peak; and its
+    local-memory reservation (6.3 GiB on an H200, see `local_memory.py`) is given back before
+    the long row's activations exist. Values do not matter to the tuning."""
+    if q.shape[1] <= TUNING_TOKENS:
+        return
+    key = (q.device, *((x.shape[2:], x.dtype) for x in (q, k, v, g, beta)))
+    if key in _tuned:
+        return
+    _tuned.add(key)
+    short = [x[:, :TUNING_TOKENS].contiguous() for x in (q, k, v, g, beta)]
+    one_document = torch.tensor([0, TUNING_TOKENS], dtype=torch.int32, device=q.device)
+    with torch.no_grad():
+        o, *residuals = _gated_delta_rule_fla(*short, one_document, scale)
+        _gated_delta_rule_fla_backward(o, *residuals, short[4], one_document, scale)
 
 
 gated_delta_rule_fla = register_op(
