@@ -237,29 +237,37 @@ def _phase(chain) -> str:
 
 def _layer_index(cpu_ops, chains: _Chains):
     """A function from an op chain to its block index (None outside blocks)."""
-    ranges = {
-        id(e): int(e.name[len(LAYER_RANGE) :]) for e in cpu_ops if e.name.startswith(LAYER_RANGE)
-    }
+    return range_owner(cpu_ops, chains, LAYER_RANGE, int)
 
-    def forward_layer(chain):
+
+def range_owner(cpu_ops, chains: _Chains, prefix: str, label=str):
+    """A function from an op chain to the profiler range (named `prefix` + label) it belongs
+    to: the range around it in forward; in backward, the range of the forward op whose
+    autograd node it runs (the node's sequence number); None outside every range."""
+    ranges = {id(e): label(e.name[len(prefix) :]) for e in cpu_ops if e.name.startswith(prefix)}
+
+    def forward_range(chain):
         return next((ranges[id(e)] for e in chain if id(e) in ranges), None)
 
     by_sequence = {}
     for op in cpu_ops:
-        if op.sequence_nr >= 0 and not _in_backward(chains.of(op)):
-            layer = forward_layer(chains.of(op))
-            if layer is not None:
-                by_sequence.setdefault(op.sequence_nr, layer)
+        chain = chains.of(op)
+        if op.sequence_nr >= 0 and not _in_backward(chain):
+            owner = forward_range(chain)
+            if owner is not None:
+                by_sequence.setdefault(op.sequence_nr, owner)
 
-    def layer_of(chain):
+    def owner_of(chain):
         for e in chain:
             if id(e) in ranges:
                 return ranges[id(e)]
-            if "Backward" in e.name and e.sequence_nr in by_sequence:
+            # The engine's event and the node's own both carry the node's sequence number.
+            backward = _in_backward([e]) or "Backward" in e.name
+            if backward and e.sequence_nr in by_sequence:
                 return by_sequence[e.sequence_nr]
         return None
 
-    return layer_of
+    return owner_of
 
 
 def _in_backward(chain) -> bool:

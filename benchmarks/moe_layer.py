@@ -63,7 +63,7 @@ from torch.autograd import DeviceType
 from torch.autograd.profiler import record_function
 
 from benchmarks import records
-from benchmarks.breakdown import _Chains, _in_backward, _kernel_samples, _self_time_samples
+from benchmarks.breakdown import _Chains, _kernel_samples, _self_time_samples, range_owner
 from benchmarks.corpora import CORPORA, document_lengths
 from benchmarks.references import TRANSFORMERS_CLASSES, transformers_qwen3_5_module
 from titan_gdn.boundaries import DocumentBoundaries
@@ -460,7 +460,7 @@ def profiled_parts(block, step, device, steps: int) -> dict:
 def part_times_ms(events, cuda: bool, steps: int) -> dict:
     cpu_ops = [e for e in events if e.device_type == DeviceType.CPU]
     chains = _Chains()
-    part_of = _part_index(cpu_ops, chains)
+    part_of = range_owner(cpu_ops, chains, PART_RANGE)
     samples = _kernel_samples(events, cpu_ops) if cuda else _self_time_samples(cpu_ops)
     totals: dict[str, float] = defaultdict(float)
     gemm_us = 0.0
@@ -475,35 +475,6 @@ def part_times_ms(events, cuda: bool, steps: int) -> dict:
         "grouped_gemm_kernels_ms": round(gemm_us / steps / 1e3, 3),
         "measure": "GPU kernel time" if cuda else "CPU self time",
     }
-
-
-def _part_index(cpu_ops, chains: _Chains):
-    """A function from an op chain to its part: the range around it in forward; in backward,
-    the part of the forward op whose autograd node it runs (the node's sequence number)."""
-    ranges = {id(e): e.name[len(PART_RANGE) :] for e in cpu_ops if e.name.startswith(PART_RANGE)}
-
-    def forward_part(chain):
-        return next((ranges[id(e)] for e in chain if id(e) in ranges), None)
-
-    by_sequence = {}
-    for op in cpu_ops:
-        chain = chains.of(op)
-        if op.sequence_nr >= 0 and not _in_backward(chain):
-            part = forward_part(chain)
-            if part is not None:
-                by_sequence.setdefault(op.sequence_nr, part)
-
-    def part_of(chain):
-        for e in chain:
-            if id(e) in ranges:
-                return ranges[id(e)]
-            # The engine's event and the node's own both carry the node's sequence number.
-            backward = _in_backward([e]) or "Backward" in e.name
-            if backward and e.sequence_nr in by_sequence:
-                return by_sequence[e.sequence_nr]
-        return None
-
-    return part_of
 
 
 def grouped_gemm_tflops(args: Qwen35ModelArgs, tokens: int, gemm_ms: float) -> float | None:

@@ -21,6 +21,26 @@ def modeling():
     return transformers_qwen3_5_module(torch_path=True, family="qwen3_5_moe")
 
 
+def points_of_a_complete_run(result: dict) -> dict[tuple[str, str, str], dict]:
+    """{(mixer, corpus, candidate): entry} of a run over every mixer and corpus, once every
+    installed transformers candidate has passed its check on each branch and every point is
+    there."""
+    theirs = [f"transformers_{name}" for name in moe_layer.installed_experts_implementations()]
+    for mixer in moe_layer.MIXERS:
+        for name in theirs:
+            errors = result["checks"][mixer][name]
+            assert isinstance(errors, dict), f"{mixer} {name}: {errors}"
+            branches = {
+                f"{b}_{what}" for b in ("mixer", "moe") for what in ("output", "input_grad")
+            }
+            assert set(errors) == branches, errors
+            assert max(errors.values()) <= result["tolerance"]
+    points = {(r["mixer"], r["corpus"], r["candidate"]): r for r in result["results"]}
+    candidates = [*theirs, "titan_gdn"]
+    assert set(points) == {(m, c, n) for m in moe_layer.MIXERS for c in CORPORA for n in candidates}
+    return points
+
+
 def test_every_point_and_column_on_cpu_and_its_table(tmp_path):
     out = tmp_path / "moe_layer.json"
     argv = ["--flavor", "debugmoe", "--tokens", "64", "--device", "cpu", "--reps", "1"]
@@ -29,23 +49,8 @@ def test_every_point_and_column_on_cpu_and_its_table(tmp_path):
     moe_layer.main(argv)
     result = json.loads(out.read_text())
 
-    implementations = moe_layer.installed_experts_implementations()
-    assert "eager" in implementations
-    theirs = [f"transformers_{name}" for name in implementations]
-    for mixer in moe_layer.MIXERS:
-        for name in theirs:
-            errors = result["checks"][mixer][name]
-            assert set(errors) == {
-                f"{branch}_{what}"
-                for branch in ("mixer", "moe")
-                for what in ("output", "input_grad")
-            }, errors
-            assert max(errors.values()) <= result["tolerance"]
-    points = {(r["mixer"], r["corpus"], r["candidate"]): r for r in result["results"]}
-    expected = {
-        (m, c, n) for m in moe_layer.MIXERS for c in CORPORA for n in [*theirs, "titan_gdn"]
-    }
-    assert set(points) == expected
+    assert "eager" in moe_layer.installed_experts_implementations()
+    points = points_of_a_complete_run(result)
     for (mixer, corpus, candidate), entry in points.items():
         assert entry["tokens"] == 64 and entry["ms"] > 0 and "step_peak_gib" in entry
         if candidate == "titan_gdn":

@@ -186,13 +186,13 @@ def kernel_ceiling_ms(kernel: dict) -> float | None:
 @question("How fast is attention alone at Qwen3.5's shape?")
 def attention_alone(results: dict, sources: Sources, plots: dict) -> list[str]:
     files = results.get("attention", [])
-    body = []
-    for name, data in files:
+
+    def row(data: dict, r: dict) -> list:
         shape = data["shape"]
-        for r in data["results"]:
-            heads = f"{shape['heads']}/{shape['kv_heads']} x {shape['head_dim']}"
-            row = [r["tokens"], r["documents"], heads, r["candidate"], r["ms"], r["tflops"]]
-            body.append((name, row))
+        heads = f"{shape['heads']}/{shape['kv_heads']} x {shape['head_dim']}"
+        return [r["tokens"], r["documents"], heads, r["candidate"], r["ms"], r["tflops"]]
+
+    body = _result_rows(files, row)
     if not body:
         return []
     # One-document rows first, longest first; then by documents; each by time.
@@ -212,16 +212,15 @@ def attention_alone(results: dict, sources: Sources, plots: dict) -> list[str]:
 @question("How fast is one MoE layer against transformers'?")
 def moe_layer_alone(results: dict, sources: Sources, plots: dict) -> list[str]:
     files = results.get("moe_layer", [])
-    body = []
-    for name, data in files:
-        flavor = data["flavor"]
-        for r in data["results"]:
-            parts = r.get("parts_ms", {})
-            row = [flavor, _MIXER_NAMES.get(r["mixer"], r["mixer"]), r["tokens"], r["corpus"]]
-            row += [r["documents"], r["candidate"], r.get("ms"), r.get("step_peak_gib")]
-            row += [ratio(r["over_ours"]) if r.get("over_ours") else r.get("error")]
-            row += [parts.get(p) for p in MOE_LAYER_PARTS] + [r.get("grouped_gemm_tflops")]
-            body.append((name, row))
+
+    def row(data: dict, r: dict) -> list:
+        parts = r.get("parts_ms", {})
+        cells = [data["flavor"], _MIXER_NAMES.get(r["mixer"], r["mixer"]), r["tokens"]]
+        cells += [r["corpus"], r["documents"], r["candidate"], r.get("ms"), r.get("step_peak_gib")]
+        cells += [ratio(r["over_ours"]) if r.get("over_ours") else r.get("error")]
+        return cells + [parts.get(p) for p in MOE_LAYER_PARTS] + [r.get("grouped_gemm_tflops")]
+
+    body = _result_rows(files, row)
     if not body:
         return []
     headings = ["flavor", "mixer", "tokens", "corpus", "documents", "layer", "fwd+bwd ms"]
@@ -240,6 +239,11 @@ def moe_layer_alone(results: dict, sources: Sources, plots: dict) -> list[str]:
         "",
     ]
     return intro + sources.table(headings, body, [name for name, _ in files])
+
+
+def _result_rows(files: list, row) -> list[tuple[str, list]]:
+    """(file name, row(file's data, result)) for every result of every file."""
+    return [(name, row(data, r)) for name, data in files for r in data["results"]]
 
 
 _MIXER_NAMES = {"linear_attention": "GDN", "full_attention": "attention"}

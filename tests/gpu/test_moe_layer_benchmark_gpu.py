@@ -9,7 +9,7 @@ import json
 import pytest
 
 from benchmarks import moe_layer
-from benchmarks.corpora import CORPORA
+from tests.test_moe_layer_benchmark import points_of_a_complete_run
 
 pytestmark = pytest.mark.gpu
 
@@ -23,18 +23,7 @@ def test_moe_layer_benchmark_on_one_gpu(tmp_path):
 
     assert result["transformers"]["delta_rule"] == "fla"
     assert result["environment"]["versions"]["cuda"]
-    implementations = moe_layer.installed_experts_implementations()
-    theirs = [f"transformers_{name}" for name in implementations]
-    for mixer in moe_layer.MIXERS:
-        for name in theirs:
-            errors = result["checks"][mixer][name]
-            assert isinstance(errors, dict), f"{mixer} {name}: {errors}"
-            assert max(errors.values()) <= result["tolerance"]
-    points = {(r["mixer"], r["corpus"], r["candidate"]): r for r in result["results"]}
-    expected = {
-        (m, c, n) for m in moe_layer.MIXERS for c in CORPORA for n in [*theirs, "titan_gdn"]
-    }
-    assert set(points) == expected
+    points = points_of_a_complete_run(result)
     for (_, _, candidate), entry in points.items():
         assert "error" not in entry, entry
         assert entry["ms"] > 0 and entry["step_peak_gib"] > 0
