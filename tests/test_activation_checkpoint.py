@@ -36,6 +36,7 @@ AC_MODES = {
     "selective every 2nd layer": ("selective", "2"),
 }
 ATTENTION_FORWARD = "aten::_scaled_dot_product_flash_attention_for_cpu"
+VARLEN_ATTENTION = "titan_gdn::varlen_attention"
 HEAD_COLLECTIVE = "_dtensor::shard_dim_alltoall"  # CP moves heads
 
 
@@ -193,6 +194,52 @@ def test_selective_op_checkpointing_does_not_rerun_the_kernels(fla_stand_in, com
         _assert_same_grads(grads, reference, 1e-6, f"{ac} {compile_model=}")
     assert reruns["selective op"] == (0, 0), reruns
     assert reruns["full"] == (layer_types[LINEAR_ATTENTION], layer_types[FULL_ATTENTION]), reruns
+
+
+def _varlen_attention_reruns(model) -> tuple[dict, int]:
+    """A training step's gradients, and how often the varlen attention op computed in its
+    backward (profiled: its CPU reference backward records autograd, which a dispatch mode
+    prevents; an op that selective checkpointing serves from its cache is dispatched too, but
+    computes no matrix product inside)."""
+    batch = _batch()
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    logits = model(inputs, attention_masks=DocumentBoundaries.from_tokens(inputs, EOS))
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as backward:
+        (loss / labels.numel()).backward()
+    runs = sum(
+        e.name == VARLEN_ATTENTION and not _inside_itself(e) and _multiplies_matrices(e)
+        for e in backward.events()
+    )
+    grads = {
+        name.replace("_checkpoint_wrapped_module.", ""): param.grad
+        for name, param in model.named_parameters()
+    }
+    return grads, runs
+
+
+def _multiplies_matrices(event) -> bool:
+    return any(
+        child.name in ("aten::bmm", "aten::mm", "aten::einsum") or _multiplies_matrices(child)
+        for child in event.cpu_children
+    )
+
+
+def test_selective_op_checkpointing_keeps_the_varlen_attention():
+    """The CUDA default attention, the varlen op (on CPU its per-document reference), is kept
+    by selective per-op checkpointing and recomputed by full checkpointing, with the gradients
+    of no checkpointing."""
+    dims = _parallel_dims(1)
+    reference, _ = _varlen_attention_reruns(perturbed_debug_model(attn_backend="varlen"))
+    reruns = {}
+    for ac in ("selective op", "full"):
+        torch._dynamo.reset()
+        model = perturbed_debug_model(attn_backend="varlen")
+        model = parallelize_qwen3_5(model, dims, _job_config(ac, compile_model=False))
+        grads, reruns[ac] = _varlen_attention_reruns(model)
+        _assert_same_grads(grads, reference, 1e-6, ac)
+    attention_layers = Counter(qwen3_5_args["debugmodel"].layer_types)[FULL_ATTENTION]
+    assert reruns == {"selective op": 0, "full": attention_layers}, reruns
 
 
 LONG_SEQ_LEN = 1024  # long enough that activations, not weights, dominate what is saved

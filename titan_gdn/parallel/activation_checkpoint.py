@@ -9,7 +9,8 @@
   of the ops in `OPS_TO_SAVE` are kept, everything else (norms, gates, activations, the short
   conv, the layout changes) is recomputed. The list is torchtitan's (attention kernels, every
   second matmul, reduce-scatter) plus what only this model has: the delta-rule ops, whose
-  kernels are the costliest part of a GDN block to recompute; CPU attention; and the
+  kernels are the costliest part of a GDN block to recompute; the varlen attention op (the
+  CUDA default, whose kernels torchtitan's list cannot see inside it); CPU attention; and the
   all-to-all that moves heads under context parallelism (DTensor's Shard -> Shard
   redistribution), so backward sends nothing twice.
 
@@ -27,13 +28,14 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 
 # Imported for their side effect too: the ops below are registered on import.
-from titan_gdn.ops import delta_rule  # noqa: F401
+from titan_gdn.ops import delta_rule, varlen_attention  # noqa: F401
 from titan_gdn.ops.delta_rule import fla_cp_op, state_passing  # noqa: F401
 from titan_gdn.placements import collectives  # noqa: F401
 
 OPS_TO_SAVE = _op_sac_save_list | {
     torch.ops.titan_gdn.gated_delta_rule_fla.default,
     torch.ops.titan_gdn.gated_delta_rule_torch.default,
+    torch.ops.titan_gdn.varlen_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._dtensor.shard_dim_alltoall.default,  # context parallel moves heads
 }
