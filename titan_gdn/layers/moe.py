@@ -145,10 +145,8 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, tokens, weights, experts) -> torch.Tensor:
         """Each token through its k experts, outputs summed with their weights."""
-        if self.experts.expert_parallel:
-            rows, slots, rows_per_expert = self._sorted_by_expert(tokens, experts)
-            return self.combine(self.experts(rows, rows_per_expert), slots, weights)
-        rows, slots, rows_per_group = self.dispatch(tokens, experts)
+        layout = self._sorted_by_expert if self.experts.expert_parallel else self.dispatch
+        rows, slots, rows_per_group = layout(tokens, experts)
         return self.combine(self.experts(rows, rows_per_group), slots, weights)
 
     def _sorted_by_expert(self, tokens, experts):
@@ -199,7 +197,10 @@ def padded_slots(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
     group_start = torch.cumsum(rows_per_group, 0) - rows_per_group
     first_choice = torch.cumsum(counts, 0) - counts  # of each expert, in expert order
     order = torch.argsort(choices, stable=True)  # choices by expert, token order kept
-    rank_in_group = torch.arange(len(choices), device=choices.device) - first_choice[choices[order]]
+    expert_of_sorted = choices[order]
+    rank_in_group = (
+        torch.arange(len(choices), device=choices.device) - first_choice[expert_of_sorted]
+    )
     slots = torch.empty_like(order)
-    slots[order] = group_start[choices[order]] + rank_in_group
+    slots[order] = group_start[expert_of_sorted] + rank_in_group
     return slots, rows_per_group

@@ -63,10 +63,8 @@ def _grouped_mm_swiglu(gate_up, down, rows, group_ends) -> torch.Tensor:
     device = rows.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else rows.dtype
     x = rows.to(dtype)
-    gate, up = torch._grouped_mm(x, gate_up.to(dtype).transpose(-2, -1), offs=group_ends).chunk(
-        2, -1
-    )
+    gate_up_t = gate_up.to(dtype).transpose(-2, -1)
+    gate, up = torch._grouped_mm(x, gate_up_t, offs=group_ends).chunk(2, -1)
     hidden = F.silu(gate) * up
-    return torch._grouped_mm(hidden, down.to(dtype).transpose(-2, -1), offs=group_ends).type_as(
-        rows
-    )
+    down_t = down.to(dtype).transpose(-2, -1)  # cast here, not beside gate_up: one at a time
+    return torch._grouped_mm(hidden, down_t, offs=group_ends).type_as(rows)

@@ -179,12 +179,8 @@ gated_delta_rule_fla_cp = register_op(
 
 @gated_delta_rule_fla_cp.register_fake
 def _(q, k, v, g, beta, cu_seqlens, shared_chunks, group_name, scale):
-    rows, value_heads, key_dim, value_dim = (
-        shared_chunks.shape[0],
-        v.shape[2],
-        k.shape[3],
-        v.shape[3],
-    )
+    rows = shared_chunks.shape[0]
+    value_heads, key_dim, value_dim = v.shape[2], k.shape[3], v.shape[3]
     entering = v.new_empty((rows, value_heads, key_dim, value_dim), dtype=torch.float32)
     return (*fake_output_and_residuals(q, k, v, g, beta), entering)
 
