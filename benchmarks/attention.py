@@ -251,15 +251,9 @@ def time_ms(fn, q, k, v, grad, rows, reps: int) -> float:
 
 
 def _environment() -> dict:
-    from types import SimpleNamespace
+    from benchmarks.common import one_device_environment
 
-    from benchmarks.common import environment
-
-    device = torch.device("cuda")
-    runtime = SimpleNamespace(
-        device=device, cuda=True, world_size=1, device_name=lambda: torch.cuda.get_device_name()
-    )
-    return environment(runtime, MODULE)
+    return one_device_environment(torch.device("cuda"), MODULE)
 
 
 def main(argv=None) -> None:

@@ -55,7 +55,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -488,16 +488,10 @@ def grouped_gemm_tflops(args: Qwen35ModelArgs, tokens: int, gemm_ms: float) -> f
 def _environment(device: torch.device, argv: list[str]) -> dict:
     """As the other benchmarks record it, with the command of these arguments (main's, which
     are the process's own unless a caller passes others)."""
-    from benchmarks.common import environment
+    from benchmarks.common import one_device_environment
 
-    cuda = device.type == "cuda"
-    runtime = SimpleNamespace(
-        device=device,
-        cuda=cuda,
-        world_size=1,
-        device_name=lambda: torch.cuda.get_device_name(device) if cuda else "CPU",
-    )
-    return {**environment(runtime, MODULE), "command": f"python -m {MODULE} {shlex.join(argv)}"}
+    command = f"python -m {MODULE} {shlex.join(argv)}"
+    return {**one_device_environment(device, MODULE), "command": command}
 
 
 def _transformers_record(implementations: list[str], device) -> dict:
