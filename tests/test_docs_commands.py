@@ -20,10 +20,7 @@ to change.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import QUICKSTART
+from tests.conftest import QUICKSTART, run_as_a_user
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -153,19 +150,9 @@ def _cpu_blocks(page: Path) -> list[str]:
 CPU_PAGES = [page for page in PAGES if _cpu_blocks(page)]
 
 
-def _run_block(root: Path, body: str) -> subprocess.CompletedProcess:
-    # `python` and the console scripts of the interpreter running the tests.
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    env = {**os.environ, "PATH": path}
-    env.pop("NGPU", None)
-    return subprocess.run(
-        ["bash", "-e", "-o", "pipefail", "-c", body],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+def _run_block(root: Path, body: str) -> tuple[int, str]:
+    """A block in `root` as a user runs it from a shell: (exit code, output)."""
+    return run_as_a_user(["bash", "-e", "-o", "pipefail", "-c", body], root)
 
 
 # What a block promises on disk, checked after it ran: (text in the block, path).
@@ -180,7 +167,7 @@ PROMISED_FILES = [
 def page_runs(quickstart) -> dict[Path, list]:
     """Every cpu page's blocks, run in the quickstart's copy of the checkout: a page's blocks
     one after the other, the pages side by side (a page's run of one process leaves a core
-    free most of the time). {page: [(block, its result, {promised file: written})]} for the
+    free most of the time). {page: [(block, (exit code, output), {promised file: written})]} for the
     blocks the page ran, up to its first failure, each promised file looked for right after
     its block; a block that an earlier page holds too runs there, and the page waits for it."""
     root, _ = quickstart
@@ -203,7 +190,7 @@ def page_runs(quickstart) -> dict[Path, list]:
                 promised = [file for flag, file in PROMISED_FILES if flag in body]
                 ran.append((body, result, {file: (root / file).exists() for file in promised}))
                 done[body].set()
-                if result.returncode != 0:
+                if result[0] != 0:
                     break
         finally:  # a page that stopped early holds up no other
             for body in _cpu_blocks(page):
@@ -217,8 +204,7 @@ def page_runs(quickstart) -> dict[Path, list]:
 
 @pytest.mark.parametrize("page", CPU_PAGES, ids=_page_id)
 def test_cpu_commands_of_the_page_run(page_runs, page):
-    for body, result, promised_files in page_runs[page]:
-        output = (result.stdout + result.stderr)[-6000:]
-        assert result.returncode == 0, f"{_page_id(page)}:\n{body}\n--- output ---\n{output}"
+    for body, (code, output), promised_files in page_runs[page]:
+        assert code == 0, f"{_page_id(page)}:\n{body}\n--- output ---\n{output[-6000:]}"
         for promised, written in promised_files.items():
             assert written, f"{body}\ndid not write {promised}"
