@@ -6,8 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from titan_gdn.ops.attention import resolve_attn_backend
 from titan_gdn.ops.backends import module_available, resolve_backend
 
 CHOICES = ("fast_ext", "fla", "torch")
@@ -56,6 +58,20 @@ def test_selection_inside_a_compiled_block_is_a_constant():
 
     compiled = torch.compile(shifted, fullgraph=True, backend="eager")
     assert torch.equal(compiled(torch.zeros(2)), torch.ones(2))
+
+
+def test_attention_on_cuda_picks_a_kernel_that_takes_the_inputs_dtype():
+    cuda = torch.device("cuda")  # selection only looks at the device type
+    assert resolve_attn_backend(cuda, None, torch.bfloat16) == "varlen"
+    assert resolve_attn_backend(cuda, None, torch.float16) == "varlen"
+    # torch's flash and cuDNN kernels take 16-bit inputs: a model computing in fp32 gets flex.
+    assert resolve_attn_backend(cuda, None, torch.float32) == "flex"
+    assert resolve_attn_backend(cuda, "auto", torch.float32) == "flex"
+    assert resolve_attn_backend(cuda, "sdpa", torch.float32) == "sdpa"
+    assert resolve_attn_backend(cuda, None) == "varlen"  # masks, built before autocast
+    assert resolve_attn_backend(torch.device("cpu"), None, torch.float32) == "sdpa"
+    with pytest.raises(ValueError, match=r"model.attn_backend = 'varlen'.*torch.float32.*unset"):
+        resolve_attn_backend(cuda, "varlen", torch.float32)
 
 
 def _fla_dispatch_disabled(env: dict) -> bool:

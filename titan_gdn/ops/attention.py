@@ -15,10 +15,30 @@ from titan_gdn.ops.varlen_attention import varlen_attention
 ATTN_BACKENDS = ("sdpa", "varlen", "flex")
 
 
-def resolve_attn_backend(device: torch.device, backend: str | None) -> str:
-    return resolve_backend(
+# What torch's flash and cuDNN kernels take.
+VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def resolve_attn_backend(
+    device: torch.device, backend: str | None, dtype: torch.dtype | None = None
+) -> str:
+    """The attention backend for inputs of `dtype` on `device` (None: not known yet, as when
+    the step's masks are built before autocast): unset, varlen on CUDA, but flex for fp32
+    inputs there (a model trained in fp32), which the varlen kernels do not take."""
+    too_wide = device.type == "cuda" and dtype is not None and dtype not in VARLEN_DTYPES
+    if too_wide and backend in (None, "auto"):
+        return "flex"
+    name = resolve_backend(
         "attn_backend", backend, device, ("varlen",), {"flex": None}, ATTN_BACKENDS
     )
+    if too_wide and name == "varlen":
+        raise ValueError(
+            f"model.attn_backend = 'varlen' runs torch's flash and cuDNN kernels, which take "
+            f"bfloat16 or float16, but attention's inputs are {dtype}: compute in bf16 "
+            "(training.mixed_precision_param, or autocast on one GPU) or leave "
+            "model.attn_backend unset (flex then serves fp32)"
+        )
+    return name
 
 
 def document_causal_block_mask(
@@ -142,7 +162,7 @@ def document_causal_attention(
     both are the whole row. `block_mask`, for flex, must be that range's
     (`document_causal_block_mask(document_ids, queries)`); None builds it. `cu_seqlens`, for
     varlen: the batch's padded boundaries (`DocumentBoundaries.padded_cu_seqlens`)."""
-    backend = resolve_attn_backend(q.device, backend)
+    backend = resolve_attn_backend(q.device, backend, q.dtype)
     query_len, key_len = q.shape[2], k.shape[2]
     if backend == "varlen":
         if cu_seqlens is None:
