@@ -279,14 +279,15 @@ def transformers_kwargs(layers: LayerPair, docs: DocumentBoundaries) -> dict:
     probe = torch.empty(1, positions.shape[1], config.hidden_size, dtype=torch.bfloat16)
     probe = probe.to(positions.device)
     rotary = layers.modeling.Qwen3_5MoeTextRotaryEmbedding(config).to(positions.device)
-    kwargs = {"position_embeddings": rotary(probe, positions), "position_ids": positions}
+    # The rotary embedding takes multimodal RoPE's three position rows, [3, B, T] (transformers
+    # 5.17 indexes them so; later versions also expand [B, T]); text gives all three the same.
+    rope_positions = positions.expand(3, *positions.shape)
+    kwargs = {"position_embeddings": rotary(probe, rope_positions), "position_ids": positions}
     if layers.theirs.block_type == FULL_ATTENTION:
+        # The cache argument is unnamed: transformers renamed it (past_key_values -> cache).
+        no_padding, no_cache = None, None
         kwargs["attention_mask"] = create_causal_mask(
-            config=config,
-            inputs_embeds=probe,
-            attention_mask=None,
-            cache=None,
-            position_ids=positions,
+            config, probe, no_padding, no_cache, position_ids=positions
         )
     elif layers.delta_rule == "fla":
         kwargs["cu_seq_lens_q"] = docs.cu_seqlens
