@@ -1,7 +1,7 @@
-"""`compile.cudagraphs`: compiled blocks replayed as CUDA graphs train exactly as the same
-compiled blocks launched kernel by kernel, step after step while the document layout changes
-(the delta-rule and conv ops, which follow the documents, run between the graphs), and the
-graphs are really replayed."""
+"""`compile.cudagraphs`: compiled blocks replayed as CUDA graphs train as the same compiled
+blocks launched kernel by kernel, within the kernels' own run-to-run spread, step after step
+while the document layout changes (the delta-rule, conv and attention ops, which follow the
+documents, run between the graphs), and the graphs are really replayed."""
 
 import copy
 
@@ -41,8 +41,8 @@ def _compiled(model: Qwen35Model, cudagraphs: bool) -> Qwen35Model:
     return parallelize_qwen3_5(model, dims, job)
 
 
-def _step(model, batch, cudagraphs: bool):
-    """Loss and gradients of one batch, then a plain SGD update."""
+def _gradients(model, batch, cudagraphs: bool):
+    """Loss and gradients of one batch; the parameters' gradients are cleared."""
     if cudagraphs:
         torch.compiler.cudagraph_mark_step_begin()
     inputs, labels = batch[:, :-1], batch[:, 1:]
@@ -53,11 +53,26 @@ def _step(model, batch, cudagraphs: bool):
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= LR * p.grad
-            p.grad = None
+    for p in model.parameters():
+        p.grad = None
     return loss.item(), grads
+
+
+@torch.no_grad()
+def _update(model, grads) -> None:
+    """A plain SGD step."""
+    for name, p in model.named_parameters():
+        p -= LR * grads[name]
+
+
+def _step(model, batch, cudagraphs: bool):
+    loss, grads = _gradients(model, batch, cudagraphs)
+    _update(model, grads)
+    return loss, grads
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
 def _graph_launches_and_recordings(model, batch) -> tuple[int, int]:
@@ -79,12 +94,20 @@ def test_cuda_graph_replays_train_as_the_compiled_blocks():
     counters.clear()
     for step in range(len(DOCUMENTS_PER_STEP) - 1):
         batch = _batch(step)
-        want_loss, want = _step(reference, batch, cudagraphs=False)
-        got_loss, got = _step(graphed, batch, cudagraphs=True)
+        want_loss, want = _gradients(reference, batch, cudagraphs=False)
+        # The same step again, kernel by kernel: flash attention's backward over several
+        # documents sums dq with atomic adds, so two runs differ by their order of addition.
+        _, again = _gradients(reference, batch, cudagraphs=False)
+        got_loss, got = _gradients(graphed, batch, cudagraphs=True)
+        _update(reference, want)
+        _update(graphed, got)
         assert got_loss == pytest.approx(want_loss, rel=1e-5), (step, got_loss, want_loss)
         for name, grad in want.items():
-            error = ((got[name] - grad).norm() / grad.norm().clamp_min(1e-30)).item()
-            assert error <= 1e-4, (step, name, error)
+            spread = _relative_error(again[name], grad)
+            error = _relative_error(got[name], grad)
+            # Replay from stale or wrong buffers gives O(1) errors; 4x the kernels' own spread
+            # leaves room for one more order of addition.
+            assert error <= max(1e-4, 4 * spread), (step, name, error, spread)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     # Forward and backward of every block, each cut at the delta-rule and conv ops; once warm,
     # a step replays what earlier steps recorded.
