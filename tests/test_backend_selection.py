@@ -60,18 +60,17 @@ def test_selection_inside_a_compiled_block_is_a_constant():
     assert torch.equal(compiled(torch.zeros(2)), torch.ones(2))
 
 
-def test_attention_on_cuda_picks_a_kernel_that_takes_the_inputs_dtype():
+def test_attention_on_cuda_in_fp32_asks_for_a_backend_that_takes_it():
     cuda = torch.device("cuda")  # selection only looks at the device type
     assert resolve_attn_backend(cuda, None, torch.bfloat16) == "varlen"
     assert resolve_attn_backend(cuda, None, torch.float16) == "varlen"
-    # torch's flash and cuDNN kernels take 16-bit inputs: a model computing in fp32 gets flex.
-    assert resolve_attn_backend(cuda, None, torch.float32) == "flex"
-    assert resolve_attn_backend(cuda, "auto", torch.float32) == "flex"
-    assert resolve_attn_backend(cuda, "sdpa", torch.float32) == "sdpa"
     assert resolve_attn_backend(cuda, None) == "varlen"  # masks, built before autocast
+    assert resolve_attn_backend(cuda, "flex", torch.float32) == "flex"
     assert resolve_attn_backend(torch.device("cpu"), None, torch.float32) == "sdpa"
-    with pytest.raises(ValueError, match=r"model.attn_backend = 'varlen'.*torch.float32.*unset"):
-        resolve_attn_backend(cuda, "varlen", torch.float32)
+    # torch's flash and cuDNN kernels take 16-bit inputs only.
+    for backend in (None, "varlen"):
+        with pytest.raises(ValueError, match=r"torch.float32.*model.attn_backend = 'flex'"):
+            resolve_attn_backend(cuda, backend, torch.float32)
 
 
 def _fla_dispatch_disabled(env: dict) -> bool:

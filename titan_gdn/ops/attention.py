@@ -22,21 +22,20 @@ VARLEN_DTYPES = (torch.bfloat16, torch.float16)
 def resolve_attn_backend(
     device: torch.device, backend: str | None, dtype: torch.dtype | None = None
 ) -> str:
-    """The attention backend for inputs of `dtype` on `device` (None: not known yet, as when
-    the step's masks are built before autocast): unset, varlen on CUDA, but flex for fp32
-    inputs there (a model trained in fp32), which the varlen kernels do not take."""
-    too_wide = device.type == "cuda" and dtype is not None and dtype not in VARLEN_DTYPES
-    if too_wide and backend in (None, "auto"):
-        return "flex"
+    """The attention backend for inputs of `dtype` (None: not known yet, as when the step's
+    masks are built before autocast) on `device`; varlen on CUDA when unset."""
     name = resolve_backend(
         "attn_backend", backend, device, ("varlen",), {"flex": None}, ATTN_BACKENDS
     )
-    if too_wide and name == "varlen":
+    if name == "varlen" and device.type == "cuda" and dtype not in (None, *VARLEN_DTYPES):
+        # Not flex in its place: the step's block mask is built with the boundaries, before
+        # the compute dtype is known, and flex with a mask built inside a compiled block gave
+        # wrong logits under compiled selective checkpointing (fp32 debug model, H200).
         raise ValueError(
-            f"model.attn_backend = 'varlen' runs torch's flash and cuDNN kernels, which take "
-            f"bfloat16 or float16, but attention's inputs are {dtype}: compute in bf16 "
-            "(training.mixed_precision_param, or autocast on one GPU) or leave "
-            "model.attn_backend unset (flex then serves fp32)"
+            f"attention's inputs are {dtype}, but model.attn_backend = {backend or 'unset'} "
+            "takes torch's flash and cuDNN kernels (varlen) on CUDA, which take bfloat16 or "
+            "float16: compute in bf16 (training.mixed_precision_param, or autocast on one "
+            "GPU), or set model.attn_backend = 'flex' for fp32 attention"
         )
     return name
 
