@@ -188,7 +188,9 @@ def test_selective_checkpointing_keeps_the_kernel_outputs(monkeypatch, compile_m
     """fp32 debug model with FLA and flex: selective op AC vs the same model without AC, both
     eager or both compiled (inductor); the delta-rule forward runs once per layer."""
     torch.manual_seed(0)
-    eager = Qwen35Model(copy.deepcopy(qwen3_5_args["debugmodel"])).cuda()
+    args = copy.deepcopy(qwen3_5_args["debugmodel"])
+    args.attn_backend = "flex"  # fp32 attention: torch's flash and cuDNN kernels take 16-bit
+    eager = Qwen35Model(args).cuda()
     eager.init_weights()
     torch._dynamo.reset()
     without_ac = _parallelized(copy.deepcopy(eager), "none", compile_model)
