@@ -448,7 +448,7 @@ def key_units(key: str) -> list[tuple[str, float]]:
         return [("ms", 1.0), ("s", 1e-3)]
     if key.endswith("_s") or key == "seconds":
         return [("s", 1.0), ("ms", 1e3)]
-    if key == "tflops":
+    if key == "tflops" or key.endswith("_tflops"):
         return [("TFLOP/s", 1.0)]
     if key == "peak_flops_per_gpu":
         return [("TFLOP/s", 1e-12)]
