@@ -201,6 +201,18 @@ class Runtime:
         return f"CPU {platform.machine()}"
 
 
+def run_as_command(main: Callable[[], None]) -> None:
+    """A multi-process benchmark's command: `main`, then, once it has returned (its results
+    written, its process group destroyed), the process ends without interpreter teardown. A
+    complete 2-process gloo run still ended, now and then, with one rank aborting there
+    ("terminate called without an active exception", no Python frame): a gloo worker thread
+    met the teardown, and torchrun reported the finished run as failed."""
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _device_module():
     # Looked up per call: titan_gdn.cpu rebinds it to a CPU module when there is no GPU.
     from torchtitan.tools import utils

@@ -347,4 +347,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks import common
+
+    common.run_as_command(main)

@@ -423,4 +423,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    common.run_as_command(main)
