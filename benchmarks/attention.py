@@ -15,6 +15,7 @@ kernel that ignores the document boundaries shows as an error, not as a fast tim
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -65,6 +66,27 @@ def _sdpa(backend):
             raise NotImplementedError("causal sdpa serves rows of one document")
         with torch.nn.attention.sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    return run
+
+
+def _per_document(backend):
+    """One dense causal call per document, K/V repeated for their query heads: what a kernel
+    without document boundaries (cuDNN's causal one, the training path's for rows of one
+    document) gives at each document's length, its launches included."""
+
+    def run(q, k, v, rows):
+        groups = q.shape[1] // k.shape[1]
+        k, v = (x.repeat_interleave(groups, 1) for x in (k, v))
+        bounds = rows["cu_seqlens"].tolist()
+        with torch.nn.attention.sdpa_kernel(backend):
+            outs = [
+                F.scaled_dot_product_attention(
+                    q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True
+                )
+                for a, b in itertools.pairwise(bounds)
+            ]
+        return torch.cat(outs, dim=2)
 
     return run
 
@@ -153,6 +175,7 @@ def candidates() -> dict:
         ),
         "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn_per_document": _per_document(SDPBackend.CUDNN_ATTENTION),
         "varlen_flash": _varlen("flash"),
         "varlen_cudnn": _varlen("cudnn"),
         "varlen_cudnn_kv_repeated": _varlen("cudnn", repeat_kv=True),
