@@ -26,7 +26,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import metadata
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -500,16 +499,9 @@ def environment(rt: Runtime, module: str) -> dict:
 
 
 def one_device_environment(device: torch.device, module: str) -> dict:
-    """`environment` for a benchmark that runs in this one process on `device`, without the
-    trainer's `Runtime`."""
-    cuda = device.type == "cuda"
-    runtime = SimpleNamespace(
-        device=device,
-        cuda=cuda,
-        world_size=1,
-        device_name=lambda: torch.cuda.get_device_name(device) if cuda else "CPU",
-    )
-    return environment(runtime, module)
+    """`environment` for a benchmark that runs in this one process on `device`, without a
+    process group: a one-rank `Runtime` describes it."""
+    return environment(Runtime(device=device, rank=0, world_size=1), module)
 
 
 def _git_state() -> dict:
