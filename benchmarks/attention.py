@@ -70,14 +70,19 @@ def _sdpa(backend):
     return run
 
 
+def _kv_per_query_head(q, k, v):
+    """k, v [1, Hkv, T, D] repeated to q's H heads, for kernels without GQA."""
+    groups = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+
+
 def _per_document(backend):
     """One dense causal call per document, K/V repeated for their query heads: what a kernel
     without document boundaries (cuDNN's causal one, the training path's for rows of one
     document) gives at each document's length, its launches included."""
 
     def run(q, k, v, rows):
-        groups = q.shape[1] // k.shape[1]
-        k, v = (x.repeat_interleave(groups, 1) for x in (k, v))
+        k, v = _kv_per_query_head(q, k, v)
         bounds = rows["cu_seqlens"].tolist()
         with torch.nn.attention.sdpa_kernel(backend):
             outs = [
@@ -135,7 +140,7 @@ class _Varlen(torch.autograd.Function):
 def _varlen(kernel, repeat_kv=False):
     def run(q, k, v, rows):
         if repeat_kv:
-            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+            k, v = _kv_per_query_head(q, k, v)
         q, k, v = (_tokens_first(x).contiguous() for x in (q, k, v))
         o = _Varlen.apply(q, k, v, rows["cu_seqlens"], rows["max_len"], kernel)
         return o.transpose(0, 1)[None]
