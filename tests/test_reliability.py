@@ -1207,6 +1207,27 @@ def test_a_launcher_killed_with_sigkill_takes_its_ranks_with_it(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_kernel_backends_are_job_settings_checked_before_anything_is_built():
+    """`[model]` attn_backend, delta_rule_backend, conv_backend and experts_backend reach the
+    trainer's model args; a name the model would refuse on this machine (unknown, CUDA-only on
+    CPU) fails the configuration check, naming the setting, before anything is built."""
+    from titan_gdn.model import qwen3_5_args
+    from titan_gdn.validation import validate_job_config
+
+    cuda_on_cpu, unknown = _problems(
+        _job_config("--model.attn_backend", "flex", "--model.delta_rule_backend", "magic")
+    )
+    assert "model.attn_backend = 'flex' needs a CUDA device but this run is on cpu" in cuda_on_cpu
+    assert "model.delta_rule_backend = 'magic' is unknown" in unknown
+    chosen = {"attn_backend": "varlen", "delta_rule_backend": "torch", "conv_backend": "torch"}
+    chosen["experts_backend"] = "loop"
+    job_config = _job_config(*[f"--model.{name}={value}" for name, value in chosen.items()])
+    validate_job_config(job_config, world_size=1)
+    args = copy.deepcopy(qwen3_5_args["debugmodel"])
+    args.update_from_config(job_config)
+    assert {name: getattr(args, name) for name in chosen} == chosen
+
+
 def test_model_max_seq_len_raises_the_limit_the_validation_names():
     """A row past the flavor's limit fails naming model.max_seq_len; setting it trains there,
     with the model built for that length (the trainer's args, not only the check)."""

@@ -17,6 +17,18 @@ class Model:
     max_position_embeddings, 262144). RoPE is computed from each token's position, with no
     table, so raising it changes nothing else; packed documents restart their positions, so
     only a single document longer than the published limit goes past what the checkpoint saw."""
+    attn_backend: str = ""
+    """The full-attention kernels: "varlen" (flash kernels over the documents; CUDA), "flex"
+    (flex attention with a document block mask; CUDA, any dtype), "sdpa" (a dense document
+    mask, the reference). "": per device, varlen on CUDA and sdpa on CPU."""
+    delta_rule_backend: str = ""
+    """The gated delta rule's kernels: "fla" (CUDA), "torch" (any device). "": per device."""
+    conv_backend: str = ""
+    """The GDN short convolution: "causal_conv1d" (CUDA, if installed), "fla" (CUDA), "torch".
+    "": per device, in that order."""
+    experts_backend: str = ""
+    """The MoE experts: "grouped_mm" (one grouped GEMM per projection; CUDA), "loop" (one GEMM
+    per expert). "": per device."""
 
 
 @dataclass

@@ -252,6 +252,7 @@ def _model_problems(job_config, world_size: int = 1) -> list[str]:
         )
     if args is not None:
         problems += job_config_problems(args, job_config, tokenizer)
+        problems += _backend_problems(args)
         parallelism = job_config.parallelism
         problems += layout_problems(args, **context_parallel_split(job_config))
         shard_x_cp = _shard_degree(parallelism, world_size) * parallelism.context_parallel_degree
@@ -269,8 +270,34 @@ def _model_args(job_config):
     args = copy.deepcopy(qwen3_5_args[job_config.model.flavor])
     if isinstance(args, Qwen35ArgsFromHFConfig):
         args.load_hf_config(job_config)
-    args.apply_max_seq_len(job_config)
+    args.apply_job_settings(job_config)
     return args
+
+
+def _backend_problems(args) -> list[str]:
+    """The kernel backends the args ask for, resolved as the model will resolve them on this
+    machine's device: an unknown name, a CUDA backend on CPU, a package not installed."""
+    import torch
+
+    from titan_gdn.ops.attention import resolve_attn_backend
+    from titan_gdn.ops.conv import resolve_conv_backend
+    from titan_gdn.ops.delta_rule import resolve_delta_rule_backend
+    from titan_gdn.ops.experts import resolve_experts_backend
+
+    # Not torchtitan's device_type: it says "cuda" on a machine without GPUs (titan_gdn/cpu.py).
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    problems = []
+    for resolve, requested in (
+        (resolve_attn_backend, args.attn_backend),
+        (resolve_delta_rule_backend, args.delta_rule_backend),
+        (resolve_conv_backend, args.conv_backend),
+        (resolve_experts_backend, args.experts_backend),
+    ):
+        try:
+            resolve(device, requested)
+        except ValueError as error:
+            problems.append(str(error))
+    return problems
 
 
 def _data_problems(job_config) -> list[str]:

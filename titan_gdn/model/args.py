@@ -14,6 +14,8 @@ from titan_gdn.model.flops import count_params_and_flops
 from titan_gdn.model.job_checks import job_config_problems
 from titan_gdn.model.layer_types import FULL_ATTENTION, LAYER_TYPES, LINEAR_ATTENTION
 
+# The kernel choices a job can set (`[model]` in the TOML; titan_gdn/job_config.py).
+KERNEL_BACKENDS = ("attn_backend", "delta_rule_backend", "conv_backend", "experts_backend")
 CHUNKED_LOSS_MIN_VOCAB = 32768
 # 1024 tokens x 248,320 fp32 logits is 1 GiB per chunk: large matmuls, a bounded peak.
 DEFAULT_LOSS_CHUNK_TOKENS = 1024
@@ -170,7 +172,7 @@ class Qwen35ModelArgs(BaseModelArgs):
         TrainSpec's tokenizer builder calls it again with ``tokenizer=`` so that the vocabulary
         is checked too, before the data loader and the model are built.
         """
-        self.apply_max_seq_len(job_config)
+        self.apply_job_settings(job_config)
         problems = job_config_problems(self, job_config, kwargs.get("tokenizer"))
         if problems:
             raise ValueError(
@@ -179,11 +181,13 @@ class Qwen35ModelArgs(BaseModelArgs):
             )
         _settle_cp_load_balancer(job_config)
 
-    def apply_max_seq_len(self, job_config) -> None:
-        """Take `model.max_seq_len` from the job where it is set (0 keeps the flavor's)."""
-        raised = setting(job_config, "model", "max_seq_len")
-        if raised:
-            self.max_seq_len = raised
+    def apply_job_settings(self, job_config) -> None:
+        """Take `model.max_seq_len` and the kernel backends from the job where they are set
+        (0 and "" keep the flavor's)."""
+        for name in ("max_seq_len", *KERNEL_BACKENDS):
+            value = setting(job_config, "model", name)
+            if value:
+                setattr(self, name, value)
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         return count_params_and_flops(self, model, seq_len)

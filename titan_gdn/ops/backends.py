@@ -57,7 +57,7 @@ def resolve_backend(
     if requested in cuda_only:
         if device.type != "cuda":
             raise ValueError(
-                f"model.{setting} = {requested!r} needs a CUDA device but the tensors are on "
+                f"model.{setting} = {requested!r} needs a CUDA device but this run is on "
                 f"{device.type}; leave model.{setting} unset to pick a backend per device"
             )
         if not _installed(cuda_only[requested]):
