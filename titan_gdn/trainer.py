@@ -66,7 +66,7 @@ class QuietConsole(logging.Filter):
         if message.startswith("Sleeping 2 seconds for other ranks"):
             return not self.single_process
         if message.startswith("Building ") and "with {" in message:
-            # torchtitan's train.py:143 joins the flavor and "with" without a space.
+            # torchtitan's `Trainer.__init__` joins the flavor and "with" without a space.
             head = message.split("with {", 1)[0]
             record.msg, record.args = f"{head} (model args: {self.model_args_path})", None
         return True

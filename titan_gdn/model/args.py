@@ -168,7 +168,7 @@ class Qwen35ModelArgs(BaseModelArgs):
     def update_from_config(self, job_config, **kwargs) -> None:
         """Check the job's settings against these args; every error names the setting to fix.
 
-        torchtitan 0.2.2's Trainer calls this without the tokenizer (train.py:140); the
+        torchtitan 0.2.2's `Trainer.__init__` calls this without the tokenizer; the
         TrainSpec's tokenizer builder calls it again with ``tokenizer=`` so that the vocabulary
         is checked too, before the data loader and the model are built.
         """
@@ -206,9 +206,9 @@ class Qwen35ModelArgs(BaseModelArgs):
 
 
 def _settle_cp_load_balancer(job_config) -> None:
-    # TOML has no null and torchtitan rejects "" (config/job_config.py:440), so a config says
+    # TOML has no null and torchtitan rejects "" (its `Parallelism.__post_init__`), so a config says
     # context_parallel_load_balancer = "none"; torchtitan's CP helpers want None for "do not
-    # reorder tokens" (distributed/context_parallel.py:184).
+    # reorder tokens" (`cp_shard` in its distributed/context_parallel.py).
     parallelism = job_config.parallelism
     balancer = parallelism.context_parallel_load_balancer
     if isinstance(balancer, str) and balancer.lower() == "none":
