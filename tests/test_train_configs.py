@@ -70,7 +70,7 @@ def test_gpu_config_parses_and_passes_the_checks(name):
 def test_no_load_balancer_is_spelled_none_in_toml(tmp_path):
     from torchtitan.config import ConfigManager
 
-    # TOML cannot write None, and torchtitan rejects "" (`Parallelism.__post_init__` in its config/job_config.py).
+    # TOML cannot write None, and torchtitan rejects "" (its `Parallelism.__post_init__`).
     empty = tmp_path / "empty_balancer.toml"
     empty.write_text('[parallelism]\ncontext_parallel_load_balancer = ""\n')
     with pytest.raises(ValueError, match="cannot be an empty string"):

@@ -106,8 +106,8 @@ class UnknownFlavorError(KeyError):
 
 
 class Qwen35Flavors(Mapping[str, Qwen35ModelArgs]):
-    """The TrainSpec's flavors. torchtitan's `Trainer.__init__` looks `model.flavor` up with `[]`; an
-    unknown name fails with a message naming the setting and the choices."""
+    """The TrainSpec's flavors. torchtitan's `Trainer.__init__` looks `model.flavor` up with
+    `[]`; an unknown name fails with a message naming the setting and the choices."""
 
     def __init__(self, flavors: dict[str, Qwen35ModelArgs]):
         self._flavors = dict(flavors)
