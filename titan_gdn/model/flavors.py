@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from titan_gdn.model import hf_config
-from titan_gdn.model.args import Qwen35ModelArgs
+from titan_gdn.model.args import KERNEL_BACKENDS, Qwen35ModelArgs
 
 
 def _flavor(dim, n_layers, n_heads, n_kv_heads, hidden_dim, v_heads, tied) -> Qwen35ModelArgs:
@@ -45,13 +45,7 @@ def _moe_flavor(dim, n_layers, n_heads, v_heads, experts, top_k, expert_dim) -> 
 
 FROM_HF_CONFIG = "from_hf_config"
 # Kernel and loss choices are ours, not the checkpoint's: the from_hf_config flavor keeps them.
-_KEPT_FIELDS = (
-    "delta_rule_backend",
-    "conv_backend",
-    "attn_backend",
-    "experts_backend",
-    "loss_chunk_tokens",
-)
+_KEPT_FIELDS = (*KERNEL_BACKENDS, "loss_chunk_tokens")
 
 
 def _read_hf_config(hf_assets_path: str | None) -> dict[str, Any]:
