@@ -42,8 +42,8 @@ seed() {
 }
 
 gpu_tests() {
-    CUDA_VISIBLE_DEVICES=${TEST_GPU:-0} python -m pytest -m gpu tests/gpu -q -s --tb=short --durations=0 \
-        -p no:cacheprovider >"$RESULTS/gpu_tests.log" 2>&1
+    CUDA_VISIBLE_DEVICES=${TEST_GPU:-0} python -m pytest -m gpu tests/gpu -n 4 --dist loadfile \
+        -q --tb=short --durations=0 -p no:cacheprovider >"$RESULTS/gpu_tests.log" 2>&1
     echo "gpu tests: exit $?"
 }
 

@@ -1,6 +1,6 @@
 import pytest
 
-from tests import bounded_autotune
+from tests import bounded_autotune, device_lock
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -9,4 +9,13 @@ def autotune_first_config_that_runs():
     fresh machine FLA's autotuning, not the tests, took most of the suite's time."""
     with pytest.MonkeyPatch.context() as patch:
         bounded_autotune.install(patch)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def device_shared_or_alone(request):
+    """The suite runs its files in worker processes side by side on one GPU (`-n`); a test
+    marked `gpu_alone` has the device to itself (tests/device_lock.py)."""
+    alone = request.node.get_closest_marker("gpu_alone") is not None
+    with device_lock.holding_device(alone):
         yield

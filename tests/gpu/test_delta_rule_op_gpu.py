@@ -128,6 +128,7 @@ def test_backward_runs_no_forward_kernel(monkeypatch, compiled):
     assert counting.calls == {"forward": 1, "backward": 1}
 
 
+@pytest.mark.gpu_alone  # the device's free memory: another process's allocations would move it
 def test_local_memory_reserved_by_autotuning_is_given_back():
     """A first use of the op gives back a grown CUDA stack (the local memory that spilling
     autotune configurations leave reserved). The stack is grown by hand first, so the test
