@@ -92,3 +92,36 @@ def test_masks_kept_in_place_hold_each_batch_at_the_same_addresses():
         assert addresses in (None, now)
         addresses = now
     assert len(storage) == len(FIELDS)
+
+
+@pytest.mark.parametrize("handed_in", ["nothing", "boundaries without a mask"])
+def test_the_model_builds_flex_masks_before_its_blocks(monkeypatch, handed_in):
+    """With flex attention, model(tokens) builds the block mask in its forward, before the
+    blocks (which may be compiled), as `get_attention_masks` does, when none is handed in: no
+    attention layer gets None. Flex needs CUDA; the attention layers here run the dense mask
+    with the mask they were handed recorded."""
+    from tests.conftest import NARROW_HEADS, perturbed_debug_model
+    from titan_gdn.model import model as model_module
+    from titan_gdn.ops.attention import document_causal_attention
+    from titan_gdn.placements import state_passing
+
+    model = perturbed_debug_model(**NARROW_HEADS)
+    gen = torch.Generator().manual_seed(5)
+    tokens = _rows(gen, 2, 160, [1, 7, 40, 300])
+    handed = None if handed_in == "nothing" else DocumentBoundaries.from_tokens(tokens, EOS)
+    want_ids = (handed or DocumentBoundaries.whole_rows(2, 160, "cpu")).document_ids
+    want = document_causal_block_mask(want_ids)
+    masks = []
+
+    def dense_attention(q, k, v, document_ids, block_mask, backend, *args, **kwargs):
+        masks.append(block_mask)
+        return document_causal_attention(q, k, v, document_ids, None, "sdpa", *args, **kwargs)
+
+    monkeypatch.setattr(model_module, "resolve_attn_backend", lambda *args: "flex")
+    monkeypatch.setattr(state_passing, "document_causal_attention", dense_attention)
+    with torch.no_grad():
+        model(tokens, attention_masks=handed)
+    assert len(masks) == sum(t != "linear_attention" for t in model.model_args.layer_types)
+    for got in masks:
+        assert got is not None and got.seq_lengths == want.seq_lengths
+        assert all(torch.equal(getattr(got, f), getattr(want, f)) for f in FIELDS)
