@@ -125,3 +125,22 @@ def test_the_model_builds_flex_masks_before_its_blocks(monkeypatch, handed_in):
     for got in masks:
         assert got is not None and got.seq_lengths == want.seq_lengths
         assert all(torch.equal(getattr(got, f), getattr(want, f)) for f in FIELDS)
+
+
+def test_a_whole_row_mask_is_rebuilt_for_a_chunks_queries(monkeypatch):
+    """Context parallel over sequence chunks: handed the whole rows' mask, the model builds the
+    mask of its chunk's queries (before the blocks), and keeps a mask that is already that."""
+    from tests.conftest import NARROW_HEADS, perturbed_debug_model
+    from titan_gdn.model import model as model_module
+
+    model = perturbed_debug_model(**NARROW_HEADS)
+    monkeypatch.setattr(model_module, "resolve_attn_backend", lambda *args: "flex")
+    tokens = _rows(torch.Generator().manual_seed(6), 2, 256, [1, 9, 70, 300])
+    whole = model.get_attention_masks(tokens, type("Tokenizer", (), {"eos_id": EOS}))
+    assert whole.block_mask.seq_lengths == (256, 256)
+    chunk = model._with_flex_mask(whole, (128, 256))
+    want = document_causal_block_mask(whole.document_ids, (128, 256))
+    assert chunk.block_mask.seq_lengths == want.seq_lengths == (128, 256)
+    assert all(torch.equal(getattr(chunk.block_mask, f), getattr(want, f)) for f in FIELDS)
+    assert model._with_flex_mask(chunk, (128, 256)) is chunk
+    assert model._with_flex_mask(whole, None) is whole

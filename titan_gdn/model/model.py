@@ -120,13 +120,15 @@ class Qwen35Model(ModelProtocol):
     def _with_flex_mask(
         self, docs: DocumentBoundaries, queries: tuple[int, int] | None
     ) -> DocumentBoundaries:
-        """`docs` with flex attention's block mask of the queries `queries` where flex runs and
-        none came with them. Built here, outside the compiled blocks, as the trainer's masks
-        are: flex with its mask built inside a compiled block gave wrong logits under compiled
-        selective checkpointing (fp32 debug model, H200; relative error 0.2)."""
-        if docs.block_mask is not None:
-            return docs
+        """`docs` with flex attention's block mask of the queries `queries` (None: the whole
+        rows) where flex runs and the mask that came with them is not that one (none, or the
+        whole rows' for a chunk's queries). Built here, outside the compiled blocks, as the
+        trainer's masks are: flex with its mask built inside a compiled block gave wrong logits
+        under compiled selective checkpointing (fp32 debug model, H200; relative error 0.2)."""
         if resolve_attn_backend(docs.document_ids.device, self.model_args.attn_backend) != "flex":
+            return docs
+        start, end = queries or (0, docs.document_ids.shape[1])
+        if docs.block_mask is not None and docs.block_mask.seq_lengths == (end - start, end):
             return docs
         block_mask = document_causal_block_mask(docs.document_ids, queries)
         if self.block_mask_storage is not None:

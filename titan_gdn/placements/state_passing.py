@@ -126,11 +126,9 @@ class StatePassing:
         # Only the chunks up to this one hold keys a query here may see.
         k, v = (all_gather(t, self.group_name)[: self.rank + 1] for t in (k, v))
         k, v = (t.movedim(0, 2).flatten(2, 3) for t in (k, v))
-        block_mask = docs.block_mask
-        if block_mask is not None and block_mask.seq_lengths != (q.shape[2], k.shape[2]):
-            block_mask = None  # the whole row's mask: built for this chunk instead
+        # The model's forward hands flex the mask of this chunk's queries.
         return document_causal_attention(
-            q, k, v, docs.document_ids, block_mask, backend, start, docs.padded_cu_seqlens
+            q, k, v, docs.document_ids, docs.block_mask, backend, start, docs.padded_cu_seqlens
         )
 
 
