@@ -84,8 +84,7 @@ def prepare_batch(model, tokenizer, parallel_dims, input_dict, labels):
     inputs = input_dict["input"]
     extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
     # With CP over sequence chunks, attention runs this rank's chunk of queries.
-    states = model.state_passing
-    queries = None if states.mesh is None else states.chunk(inputs.shape[1])
+    queries = model.state_passing.queries(inputs.shape[1])
     # chunked_loss: the TrainSpec's loss (titan_gdn.loss) takes hidden states in place of
     # logits, so the model may skip the full-sequence logits.
     extra_kwargs: dict[str, Any] = {

@@ -153,9 +153,7 @@ class Qwen35Model(ModelProtocol):
         docs = attention_masks
         if docs is None:
             docs = DocumentBoundaries.whole_rows(*tokens.shape, device=tokens.device)
-        states = self.state_passing
-        queries = None if states.mesh is None else states.chunk(docs.document_ids.shape[1])
-        docs = self._with_flex_mask(docs, queries)
+        docs = self._with_flex_mask(docs, self.state_passing.queries(docs.document_ids.shape[1]))
         args = self.model_args
         docs = self.state_passing.boundaries(docs, halo=args.linear_conv_kernel_dim - 1)
         h = _in_autocast_dtype(self.tok_embeddings(tokens))

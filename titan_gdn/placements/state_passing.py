@@ -46,6 +46,11 @@ class StatePassing:
         size = seq_len // self.degree
         return self.rank * size, (self.rank + 1) * size
 
+    def queries(self, seq_len: int) -> tuple[int, int] | None:
+        """The queries this rank's attention runs, as flex's block mask takes them: its chunk
+        of rows of `seq_len` tokens; None (the whole rows) without chunks."""
+        return None if self.mesh is None else self.chunk(seq_len)
+
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a [B, T, ...] tensor of the whole row (RoPE's cos and sin)."""
         if self.mesh is None:
