@@ -9,6 +9,7 @@ import torch
 
 from tests.conftest import relative_error
 from titan_gdn.boundaries import DocumentBoundaries
+from titan_gdn.ops import varlen_attention
 from titan_gdn.ops.attention import document_causal_attention
 from titan_gdn.ops.varlen_attention import segments
 
@@ -89,3 +90,39 @@ def test_compiled_op_has_no_graph_break_and_no_recompile_across_layouts():
         want = document_causal_attention(q, k, v, docs.document_ids, None, "sdpa")
         assert relative_error(out, want) < 1e-5
     assert counts["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("query_start", [0, 96])
+def test_long_documents_apart_from_the_short_ones_match_dense_mask(monkeypatch, query_start):
+    """Documents of at least LONG_DOCUMENT_TOKENS (lowered here to fit CPU sizes) each take the
+    rows kernel alone, the others one varlen call over their gathered tokens: the same
+    attention as the dense mask, and a chunk's queries (no split there) as before."""
+    monkeypatch.setattr(varlen_attention, "LONG_DOCUMENT_TOKENS", 24)
+    gen = torch.Generator().manual_seed(7 + query_start)
+    rows, seq_len, heads, kv_heads, dim = 2, 160, 4, 2, 16
+    docs = DocumentBoundaries.from_tokens(packed_rows(gen, rows, seq_len, 12), EOS)
+    query_len = seq_len - query_start
+    seg = segments(docs.padded_cu_seqlens, rows, seq_len, query_start, query_len)
+    lengths = docs.padded_cu_seqlens.diff()
+    if query_start == 0:
+        long_lengths = [end - start for start, end in seg.long_documents]
+        assert sorted(long_lengths) == sorted(lengths[lengths >= 24].tolist())
+        assert seg.short is not None and (lengths.lt(24) & lengths.gt(0)).any()
+        covered = torch.cat(
+            [seg.short.tokens, *(torch.arange(a, b) for a, b in seg.long_documents)]
+        )
+        assert covered.sort().values.tolist() == list(range(rows * seq_len))
+    else:
+        assert not seg.long_documents and seg.short is None
+    q = torch.randn(rows, heads, query_len, dim, generator=gen, dtype=torch.float64)
+    k, v = (
+        torch.randn(rows, kv_heads, seq_len, dim, generator=gen, dtype=torch.float64) for _ in "kv"
+    )
+    grad = torch.randn_like(q)
+    results = {}
+    for backend in ("sdpa", "varlen"):
+        out, *inputs = _attention(backend, q, k, v, docs, query_start)
+        out.backward(grad)
+        results[backend] = [out, *(x.grad for x in inputs)]
+    for got, want in zip(results["varlen"], results["sdpa"], strict=True):
+        assert relative_error(got, want) < 1e-5

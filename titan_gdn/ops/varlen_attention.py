@@ -1,10 +1,13 @@
 """Document-causal attention on torch's own flash kernels, over each batch's documents.
 
-All documents of a batch are one varlen call (FlashAttention-2 inside torch, `cu_seqlens`, GQA
-with the K/V heads as they are): no mask is built and no pair across documents is computed.
-A batch whose rows are each one document takes cuDNN's causal kernel instead, 1.6x faster at
-head dim 256 on an H200 (`python -m benchmarks.attention`). flex attention, the other CUDA
-backend, computes its blocks at a third of these kernels' rate at head dim 256.
+A batch's documents are one varlen call (FlashAttention-2 inside torch, `cu_seqlens`, GQA with
+the K/V heads as they are): no mask is built and no pair across documents is computed. cuDNN's
+dense causal kernel is 1.6x faster than that one at head dim 256 on an H200 (`python -m
+benchmarks.attention`) but takes no document boundaries: a batch whose rows are each one
+document is one cuDNN call, and in other batches each document of at least
+`LONG_DOCUMENT_TOKENS` is a cuDNN call of its own, the shorter ones together one varlen call
+(gathered into one buffer). flex attention, the other CUDA backend, computes its blocks at a
+third of these kernels' rate at head dim 256.
 
 Queries of a chunk of each row (context parallel over sequence chunks) against the keys of
 all chunks up to it are the same varlen call, with each document's queries and keys given
@@ -19,6 +22,7 @@ layout. On CPU (tests) the same op runs a per-document reference instead of the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import pairwise
 from typing import NamedTuple
 
@@ -29,6 +33,22 @@ from torch import Tensor
 from titan_gdn.boundaries import boundaries_memo, host_boundaries
 from titan_gdn.ops.custom_op import OUTSIDE_CUDA_GRAPHS, recording_autograd
 
+# Documents at least this long take cuDNN's dense causal kernel one at a time (where a document's
+# queries are its keys); shorter ones share one varlen call. cuDNN's kernel is faster at every
+# length (1.7x at 1,024 tokens, 1.9x at 8,192, head dim 256, H100), but each document it takes
+# costs its own launches and K/V copies: at 32k tokens in 64 documents a lower bound was up to
+# 1.3x slower, and at 32k in 4 documents or 64k in 16 a higher one lost part of what cuDNN
+# gains (`python -m benchmarks.attention`).
+LONG_DOCUMENT_TOKENS = 4096
+
+
+class ShortDocuments(NamedTuple):
+    """The documents below LONG_DOCUMENT_TOKENS of a call that has long ones too."""
+
+    tokens: Tensor  # int64, their positions in the flattened queries (= keys), in order
+    cu: Tensor  # int32 [documents + 1], offsets into those tokens gathered
+    max_len: int
+
 
 class Segments(NamedTuple):
     """The kernels' view of one attention call: per document, its queries and its keys."""
@@ -38,6 +58,10 @@ class Segments(NamedTuple):
     max_q: int
     max_k: int
     whole_rows: bool  # every row one document, queries = keys: the dense causal kernel serves
+    # Queries = keys of every document: the flattened token ranges of the documents of at least
+    # LONG_DOCUMENT_TOKENS, and the other documents gathered (`short`); empty and None otherwise.
+    long_documents: tuple[tuple[int, int], ...] = ()
+    short: ShortDocuments | None = None
 
 
 def segments(
@@ -47,7 +71,7 @@ def segments(
     row against the keys before query_start+query_len, from the batch's padded boundaries
     (rows of `row_len` tokens laid end to end); memoized per boundaries tensor and layout."""
     memo = boundaries_memo(cu_seqlens)
-    key = ("attention", rows, row_len, query_start, query_len)
+    key = ("attention", rows, row_len, query_start, query_len, LONG_DOCUMENT_TOKENS)
     if key not in memo:
         memo[key] = _segments(
             host_boundaries(cu_seqlens), rows, row_len, query_start, query_len, cu_seqlens.device
@@ -65,13 +89,27 @@ def _segments(bounds, rows, row_len, query_start, query_len, device) -> Segments
     queries = (last - first.clamp(min=query_start)).clamp(min=0)  # 0: all before the chunk
     keys = last - first
     cu_q, cu_k = (F.pad(n.cumsum(0), (1, 0)).to(device, torch.int32) for n in (queries, keys))
-    return Segments(
-        cu_q,
-        cu_k,
-        int(queries.max()),
-        int(keys.max()),
-        whole_rows=query_start == 0 and query_len == row_len and len(starts) == rows,
+    whole_rows = query_start == 0 and query_len == row_len
+    seg = Segments(
+        cu_q, cu_k, int(queries.max()), int(keys.max()), whole_rows and len(starts) == rows
     )
+    if not whole_rows or seg.whole_rows:
+        return seg
+    # Whole rows laid end to end: each document's queries and keys are the same flat tokens.
+    long = keys >= LONG_DOCUMENT_TOKENS
+    if not long.any():
+        return seg
+    ranges = tuple(zip(starts[long].tolist(), ends[long].tolist(), strict=True))
+    return seg._replace(long_documents=ranges, short=_short_documents(starts, keys, ~long, device))
+
+
+def _short_documents(starts, lengths, short, device) -> ShortDocuments | None:
+    starts, lengths = starts[short], lengths[short]
+    if not len(lengths):
+        return None
+    cu = F.pad(lengths.cumsum(0), (1, 0))
+    tokens = torch.arange(int(cu[-1])) + (starts - cu[:-1]).repeat_interleave(lengths)
+    return ShortDocuments(tokens.to(device), cu.to(device, torch.int32), int(lengths.max()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,11 +123,15 @@ def varlen_attention(
 ) -> tuple[Tensor, Tensor]:
     rows, query_len = q.shape[:2]
     seg = segments(cu_seqlens, rows, row_len, query_start, query_len)
-    if q.device.type != "cuda":
-        return _reference_forward(q, k, v, seg)
+    kernels = _KERNELS[q.device.type == "cuda"]
     if seg.whole_rows:
-        return _cudnn_forward(q, k, v)
-    return _flash_forward(q, k, v, seg)
+        return kernels.causal_forward(q, k, v)
+    flat = [_flat(x) for x in (q, k, v)]
+    out = torch.empty_like(flat[0])
+    lse = out.new_empty((out.shape[1], out.shape[0]), dtype=torch.float32)
+    for index, call in _calls(seg, kernels):
+        out[index], lse[:, index] = call.forward(*(x[index] for x in flat))
+    return out.view(q.shape), lse
 
 
 @varlen_attention.register_fake
@@ -114,11 +156,16 @@ def varlen_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     rows, query_len = q.shape[:2]
     seg = segments(cu_seqlens, rows, row_len, query_start, query_len)
-    if q.device.type != "cuda":
-        return _reference_backward(grad, q, k, v, seg)
+    kernels = _KERNELS[q.device.type == "cuda"]
     if seg.whole_rows:
-        return _cudnn_backward(grad, q, k, v, out, lse)
-    return _flash_backward(grad, q, k, v, out, lse, seg)
+        return kernels.causal_backward(grad, q, k, v, out, lse)
+    flat = [_flat(x) for x in (grad, q, k, v, out)]
+    grads = [torch.empty_like(x) for x in flat[1:4]]
+    for index, call in _calls(seg, kernels):
+        parts = call.backward(*(x[index] for x in flat), lse[:, index].contiguous())
+        for whole, part in zip(grads, parts, strict=True):
+            whole[index] = part
+    return tuple(g.view(x.shape) for g, x in zip(grads, (q, k, v), strict=True))
 
 
 @varlen_attention_backward.register_fake
@@ -143,29 +190,77 @@ varlen_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA kernels
+# One call's kernel launches: which flattened tokens each launch takes (an index, or a slice)
+# and what it runs on them. Flattened tensors: q [N, H, D], k and v [N, Hkv, D], lse [H, N].
+
+
+class _Kernels(NamedTuple):
+    varlen_forward: Callable  # (q, k, v, cu_q, cu_k, max_q, max_k) -> out, lse
+    varlen_backward: Callable  # (grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k) -> dq, dk, dv
+    causal_forward: Callable  # rows of one document: (q, k, v) [B, T, H, D] -> out, lse
+    causal_backward: Callable  # (grad, q, k, v, out, lse) -> dq, dk, dv
+
+
+class _Call(NamedTuple):
+    forward: Callable  # (q, k, v) -> out, lse
+    backward: Callable  # (grad, q, k, v, out, lse) -> dq, dk, dv
+
+
+def _calls(seg: Segments, kernels: _Kernels):
+    if seg.short is None and not seg.long_documents:
+        yield slice(None), _varlen_call(kernels, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k)
+        return
+    if seg.short is not None:
+        short = seg.short
+        yield short.tokens, _varlen_call(kernels, short.cu, short.cu, short.max_len, short.max_len)
+    one_document = _one_document_call(kernels)
+    for start, end in seg.long_documents:
+        yield slice(start, end), one_document
+
+
+def _varlen_call(kernels, *documents) -> _Call:
+    return _Call(
+        lambda q, k, v: kernels.varlen_forward(q, k, v, *documents),
+        lambda *tensors: kernels.varlen_backward(*tensors, *documents),
+    )
+
+
+def _one_document_call(kernels: _Kernels) -> _Call:
+    """The rows kernel (cuDNN's dense causal one) on one document's flattened tokens."""
+
+    def forward(q, k, v):
+        out, lse = kernels.causal_forward(q[None], k[None], v[None])
+        return out[0], lse
+
+    def backward(grad, q, k, v, out, lse):
+        rows = (x[None] for x in (grad, q, k, v, out))
+        return tuple(g[0] for g in kernels.causal_backward(*rows, lse))
+
+    return _Call(forward, backward)
 
 
 def _flat(x: Tensor) -> Tensor:
     return x.reshape(-1, *x.shape[2:]).contiguous()
 
 
-def _flash_forward(q, k, v, seg: Segments):
+# ---------------------------------------------------------------------------------------------
+# CUDA kernels
+
+
+def _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k):
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        _flat(q), _flat(k), _flat(v), seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, 0.0, True, False
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False
     )
-    return out.view(q.shape), lse
+    return out, lse
 
 
-def _flash_backward(grad, q, k, v, out, lse, seg: Segments):
+def _flash_backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k):
     # No dropout: the RNG state the kernel would read is never used.
     no_rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, device=q.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        _flat(grad), _flat(q), _flat(k), _flat(v), _flat(out), lse, seg.cu_q, seg.cu_k,
-        seg.max_q, seg.max_k, 0.0, True, no_rng, unused,
-    )  # fmt: skip
-    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+    return torch.ops.aten._flash_attention_backward(
+        grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, no_rng, unused
+    )
 
 
 def _heads_first(x: Tensor) -> Tensor:
@@ -215,14 +310,13 @@ def _sum_groups(x: Tensor, kv_heads: int) -> Tensor:
 # bottom right, in fp32.
 
 
-def _reference_forward(q, k, v, seg: Segments):
-    heads = q.shape[2]
-    qf, kf, vf = (_flat(x).float() for x in (q, k, v))
+def _reference_forward(q, k, v, cu_q, cu_k, max_q=None, max_k=None):
+    heads = q.shape[1]
+    qf, kf, vf = (x.float() for x in (q, k, v))
     kf, vf = (x.repeat_interleave(heads // x.shape[1], 1) for x in (kf, vf))
     out = torch.zeros_like(qf)
     lse = torch.zeros(heads, qf.shape[0], dtype=torch.float32, device=q.device)
-    cu_q, cu_k = seg.cu_q.tolist(), seg.cu_k.tolist()
-    for (q0, q1), (k0, k1) in zip(pairwise(cu_q), pairwise(cu_k), strict=True):
+    for (q0, q1), (k0, k1) in zip(pairwise(cu_q.tolist()), pairwise(cu_k.tolist()), strict=True):
         if q1 == q0:
             continue
         scores = torch.einsum("qhd,khd->hqk", qf[q0:q1], kf[k0:k1]) * q.shape[-1] ** -0.5
@@ -231,11 +325,39 @@ def _reference_forward(q, k, v, seg: Segments):
         scores = scores.masked_fill(~allowed.to(q.device), float("-inf"))
         lse[:, q0:q1] = scores.logsumexp(-1)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf[k0:k1])
-    return out.to(q.dtype).view(q.shape), lse
+    return out.to(q.dtype), lse
 
 
-def _reference_backward(grad, q, k, v, seg: Segments):
+def _reference_backward(grad, q, k, v, out, lse, *documents):
     inputs = [x.detach().requires_grad_() for x in (q, k, v)]
     with recording_autograd():
-        out, _ = _reference_forward(*inputs, seg)
+        out, _ = _reference_forward(*inputs, *documents)
     return torch.autograd.grad(out, inputs, grad)
+
+
+def _reference_rows_forward(q, k, v):
+    cu = _row_bounds(q)
+    out, lse = _reference_forward(_flat(q), _flat(k), _flat(v), cu, cu)
+    return out.view(q.shape), lse
+
+
+def _reference_rows_backward(grad, q, k, v, out, lse):
+    cu = _row_bounds(q)
+    grads = _reference_backward(*(_flat(x) for x in (grad, q, k, v, out)), lse, cu, cu)
+    return tuple(g.view(x.shape) for g, x in zip(grads, (q, k, v), strict=True))
+
+
+def _row_bounds(x: Tensor) -> Tensor:
+    rows, tokens = x.shape[:2]
+    return torch.arange(0, (rows + 1) * tokens, tokens, device=x.device, dtype=torch.int32)
+
+
+_KERNELS = {
+    True: _Kernels(_flash_forward, _flash_backward, _cudnn_forward, _cudnn_backward),
+    False: _Kernels(
+        _reference_forward,
+        _reference_backward,
+        _reference_rows_forward,
+        _reference_rows_backward,
+    ),
+}
