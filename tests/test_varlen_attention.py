@@ -33,17 +33,14 @@ def _attention(backend, q, k, v, docs, query_start=0):
     return out, qs, ks, vs
 
 
-@pytest.mark.parametrize("documents_per_row", [1, 3, 40])
-@pytest.mark.parametrize("query_start", [0, 96])
-def test_varlen_matches_dense_mask(documents_per_row, query_start):
-    gen = torch.Generator().manual_seed(documents_per_row + query_start)
-    rows, seq_len, heads, kv_heads, dim = 2, 160, 4, 2, 16
-    docs = DocumentBoundaries.from_tokens(packed_rows(gen, rows, seq_len, documents_per_row), EOS)
-    query_len = seq_len - query_start if query_start else seq_len
-    key_len = query_start + query_len
+def _assert_varlen_matches_dense_mask(gen, docs, heads, kv_heads, dim, query_start):
+    """The varlen op's output and input gradients against the dense mask's, in fp64."""
+    rows, key_len = docs.document_ids.shape
+    query_len = key_len - query_start
     q = torch.randn(rows, heads, query_len, dim, generator=gen, dtype=torch.float64)
-    k = torch.randn(rows, kv_heads, key_len, dim, generator=gen, dtype=torch.float64)
-    v = torch.randn(rows, kv_heads, key_len, dim, generator=gen, dtype=torch.float64)
+    k, v = (
+        torch.randn(rows, kv_heads, key_len, dim, generator=gen, dtype=torch.float64) for _ in "kv"
+    )
     grad = torch.randn(rows, heads, query_len, dim, generator=gen, dtype=torch.float64)
     results = {}
     for backend in ("sdpa", "varlen"):
@@ -52,6 +49,15 @@ def test_varlen_matches_dense_mask(documents_per_row, query_start):
         results[backend] = [out, *(x.grad for x in inputs)]
     for got, want in zip(results["varlen"], results["sdpa"], strict=True):
         assert relative_error(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("documents_per_row", [1, 3, 40])
+@pytest.mark.parametrize("query_start", [0, 96])
+def test_varlen_matches_dense_mask(documents_per_row, query_start):
+    gen = torch.Generator().manual_seed(documents_per_row + query_start)
+    rows, seq_len, heads, kv_heads, dim = 2, 160, 4, 2, 16
+    docs = DocumentBoundaries.from_tokens(packed_rows(gen, rows, seq_len, documents_per_row), EOS)
+    _assert_varlen_matches_dense_mask(gen, docs, heads, kv_heads, dim, query_start)
 
 
 def test_whole_rows_of_one_document_are_told_apart():
@@ -101,28 +107,15 @@ def test_long_documents_apart_from_the_short_ones_match_dense_mask(monkeypatch, 
     gen = torch.Generator().manual_seed(7 + query_start)
     rows, seq_len, heads, kv_heads, dim = 2, 160, 4, 2, 16
     docs = DocumentBoundaries.from_tokens(packed_rows(gen, rows, seq_len, 12), EOS)
-    query_len = seq_len - query_start
-    seg = segments(docs.padded_cu_seqlens, rows, seq_len, query_start, query_len)
+    seg = segments(docs.padded_cu_seqlens, rows, seq_len, query_start, seq_len - query_start)
     lengths = docs.padded_cu_seqlens.diff()
     if query_start == 0:
         long_lengths = [end - start for start, end in seg.long_documents]
         assert sorted(long_lengths) == sorted(lengths[lengths >= 24].tolist())
         assert seg.short is not None and (lengths.lt(24) & lengths.gt(0)).any()
-        covered = torch.cat(
-            [seg.short.tokens, *(torch.arange(a, b) for a, b in seg.long_documents)]
-        )
+        ranges = (torch.arange(start, end) for start, end in seg.long_documents)
+        covered = torch.cat([seg.short.tokens, *ranges])
         assert covered.sort().values.tolist() == list(range(rows * seq_len))
     else:
         assert not seg.long_documents and seg.short is None
-    q = torch.randn(rows, heads, query_len, dim, generator=gen, dtype=torch.float64)
-    k, v = (
-        torch.randn(rows, kv_heads, seq_len, dim, generator=gen, dtype=torch.float64) for _ in "kv"
-    )
-    grad = torch.randn_like(q)
-    results = {}
-    for backend in ("sdpa", "varlen"):
-        out, *inputs = _attention(backend, q, k, v, docs, query_start)
-        out.backward(grad)
-        results[backend] = [out, *(x.grad for x in inputs)]
-    for got, want in zip(results["varlen"], results["sdpa"], strict=True):
-        assert relative_error(got, want) < 1e-5
+    _assert_varlen_matches_dense_mask(gen, docs, heads, kv_heads, dim, query_start)

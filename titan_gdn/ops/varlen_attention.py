@@ -5,9 +5,9 @@ the K/V heads as they are): no mask is built and no pair across documents is com
 dense causal kernel is 1.6x faster than that one at head dim 256 on an H200 (`python -m
 benchmarks.attention`) but takes no document boundaries: a batch whose rows are each one
 document is one cuDNN call, and in other batches each document of at least
-`LONG_DOCUMENT_TOKENS` is a cuDNN call of its own, the shorter ones together one varlen call
-(gathered into one buffer). flex attention, the other CUDA backend, computes its blocks at a
-third of these kernels' rate at head dim 256.
+`LONG_DOCUMENT_TOKENS` is a cuDNN call of its own, the shorter ones one varlen call over their
+gathered tokens. flex attention, the other CUDA backend, computes its blocks at a third of these
+kernels' rate at head dim 256.
 
 Queries of a chunk of each row (context parallel over sequence chunks) against the keys of
 all chunks up to it are the same varlen call, with each document's queries and keys given
@@ -35,11 +35,13 @@ from titan_gdn.ops.custom_op import OUTSIDE_CUDA_GRAPHS, recording_autograd
 
 # Documents at least this long take cuDNN's dense causal kernel one at a time (where a document's
 # queries are its keys); shorter ones share one varlen call. cuDNN's kernel is faster at every
-# length (1.7x at 1,024 tokens, 1.9x at 8,192, head dim 256, H100), but each document it takes
-# costs its own launches and K/V copies: at 32k tokens in 64 documents a lower bound was up to
-# 1.3x slower, and at 32k in 4 documents or 64k in 16 a higher one lost part of what cuDNN
-# gains (`python -m benchmarks.attention`).
-LONG_DOCUMENT_TOKENS = 4096
+# length (1.7x at 1,024 tokens, 1.9x at 8,192, head dim 256, H100), but a launch of its own per
+# document takes the GPU from the varlen call's parallelism across documents: at 4,096, 32k
+# tokens in 16 documents (two of them longer) ran 5-10% slower than one varlen call, at 2,048
+# 32k in 64 documents 1.2-1.3x slower; at 8,192 no layout measured was slower, and 32k in 4
+# documents ran 1.30x, 64k in 16 1.22x faster (`python -m benchmarks.attention`). Grouping
+# documents of similar lengths as padded rows of one call was slower still in every layout.
+LONG_DOCUMENT_TOKENS = 8192
 
 
 class ShortDocuments(NamedTuple):
@@ -127,6 +129,9 @@ def varlen_attention(
     if seg.whole_rows:
         return kernels.causal_forward(q, k, v)
     flat = [_flat(x) for x in (q, k, v)]
+    if not seg.long_documents:
+        out, lse = kernels.varlen_forward(*flat, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k)
+        return out.view(q.shape), lse
     out = torch.empty_like(flat[0])
     lse = out.new_empty((out.shape[1], out.shape[0]), dtype=torch.float32)
     for index, call in _calls(seg, kernels):
@@ -160,6 +165,10 @@ def varlen_attention_backward(
     if seg.whole_rows:
         return kernels.causal_backward(grad, q, k, v, out, lse)
     flat = [_flat(x) for x in (grad, q, k, v, out)]
+    if not seg.long_documents:
+        documents = (seg.cu_q, seg.cu_k, seg.max_q, seg.max_k)
+        grads = kernels.varlen_backward(*flat, lse, *documents)
+        return tuple(g.view(x.shape) for g, x in zip(grads, (q, k, v), strict=True))
     grads = [torch.empty_like(x) for x in flat[1:4]]
     for index, call in _calls(seg, kernels):
         parts = call.backward(*(x[index] for x in flat), lse[:, index].contiguous())
@@ -190,8 +199,8 @@ varlen_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------
-# One call's kernel launches: which flattened tokens each launch takes (an index, or a slice)
-# and what it runs on them. Flattened tensors: q [N, H, D], k and v [N, Hkv, D], lse [H, N].
+# A call with long documents: which flattened tokens each launch takes and what it runs on them.
+# Flattened tensors: q [N, H, D], k and v [N, Hkv, D], lse [H, N].
 
 
 class _Kernels(NamedTuple):
@@ -207,9 +216,6 @@ class _Call(NamedTuple):
 
 
 def _calls(seg: Segments, kernels: _Kernels):
-    if seg.short is None and not seg.long_documents:
-        yield slice(None), _varlen_call(kernels, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k)
-        return
     if seg.short is not None:
         short = seg.short
         yield short.tokens, _varlen_call(kernels, short.cu, short.cu, short.max_len, short.max_len)
