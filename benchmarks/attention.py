@@ -10,11 +10,15 @@ two warm-up calls. TFLOP/s counts document pairs only (a query and the keys of i
 document up to itself): 4 * H * D * pairs forward, 2.5 times that backward. Each candidate's
 output and gradients are compared with the dense-mask reference on a short row first, so a
 kernel that ignores the document boundaries shows as an error, not as a fast time.
+`--long-document-tokens 2048 4096` also times the training path (titan_gdn) with documents of
+at least that many tokens on cuDNN's kernel (`titan_gdn@2048`, ...): how the op's
+`LONG_DOCUMENT_TOKENS` is chosen.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import statistics
 import time
@@ -44,6 +48,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=256)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--candidates", nargs="+", default=None)
+    parser.add_argument(
+        "--long-document-tokens",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also the training path with each of these LONG_DOCUMENT_TOKENS (titan_gdn@N)",
+    )
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
 
@@ -169,6 +180,20 @@ def _titan_gdn(q, k, v, rows):
     return document_causal_attention(q, k, v, ids, None, "varlen", 0, rows["padded_cu_seqlens"])
 
 
+@contextlib.contextmanager
+def _long_documents_from(tokens: int | None):
+    """The training path with documents of at least `tokens` on cuDNN's kernel (None: as set),
+    forward and backward."""
+    from titan_gdn.ops import varlen_attention
+
+    default = varlen_attention.LONG_DOCUMENT_TOKENS
+    varlen_attention.LONG_DOCUMENT_TOKENS = tokens or default
+    try:
+        yield
+    finally:
+        varlen_attention.LONG_DOCUMENT_TOKENS = default
+
+
 def candidates() -> dict:
     from torch.nn.attention import SDPBackend
 
@@ -290,6 +315,8 @@ def main(argv=None) -> None:
     chosen = {
         n: f for n, f in candidates().items() if args.candidates is None or n in args.candidates
     }
+    chosen |= {f"titan_gdn@{n}": _titan_gdn for n in args.long_document_tokens}
+    thresholds = {f"titan_gdn@{n}": n for n in args.long_document_tokens}
     result = {
         "kind": "attention",
         "environment": _environment(),
@@ -299,7 +326,8 @@ def main(argv=None) -> None:
     }
     for name, fn in chosen.items():
         try:
-            result["checks"][name] = check(fn, args, device)
+            with _long_documents_from(thresholds.get(name)):
+                result["checks"][name] = check(fn, args, device)
         except Exception as error:  # a candidate this machine lacks
             result["checks"][name] = f"{type(error).__name__}: {str(error)[:160]}"
         print(f"check {name}: {result['checks'][name]}", flush=True)
@@ -312,7 +340,8 @@ def main(argv=None) -> None:
             if not isinstance(result["checks"][name], float) or result["checks"][name] > 2e-2:
                 continue
             try:
-                ms = time_ms(fn, q, k, v, grad, rows, args.reps)
+                with _long_documents_from(thresholds.get(name)):
+                    ms = time_ms(fn, q, k, v, grad, rows, args.reps)
             except NotImplementedError:
                 continue
             except Exception as error:

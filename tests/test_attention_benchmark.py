@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from benchmarks import attention
+from titan_gdn.ops import varlen_attention
 
 SHAPE = SimpleNamespace(heads=4, kv_heads=2, head_dim=32)
 
@@ -24,3 +25,22 @@ def test_per_document_calls_match_the_document_mask_and_the_check_can_tell():
     blind = attention.check(_whole_row_causal, SHAPE, cpu)
     assert per_document < 2e-2, per_document  # bf16 inputs against the fp32 reference
     assert blind > 0.1, blind
+
+
+def test_a_long_document_threshold_holds_through_forward_and_backward(monkeypatch):
+    """`--long-document-tokens N` times the training path with the op's LONG_DOCUMENT_TOKENS at
+    N for the forward and the backward alike, then sets it back."""
+    default = varlen_attention.LONG_DOCUMENT_TOKENS
+    seen = []
+    segments = varlen_attention.segments
+
+    def recording(*args):
+        seen.append(varlen_attention.LONG_DOCUMENT_TOKENS)
+        return segments(*args)
+
+    monkeypatch.setattr(varlen_attention, "segments", recording)
+    with attention._long_documents_from(128):
+        error = attention.check(attention._titan_gdn, SHAPE, torch.device("cpu"))
+    assert error < 2e-2, error
+    assert len(seen) >= 2 and set(seen) == {128}, seen  # forward and backward
+    assert varlen_attention.LONG_DOCUMENT_TOKENS == default
