@@ -91,11 +91,11 @@ def _segments(bounds, rows, row_len, query_start, query_len, device) -> Segments
     queries = (last - first.clamp(min=query_start)).clamp(min=0)  # 0: all before the chunk
     keys = last - first
     cu_q, cu_k = (F.pad(n.cumsum(0), (1, 0)).to(device, torch.int32) for n in (queries, keys))
-    whole_rows = query_start == 0 and query_len == row_len
+    queries_are_keys = query_start == 0 and query_len == row_len  # whole rows, not a chunk
     seg = Segments(
-        cu_q, cu_k, int(queries.max()), int(keys.max()), whole_rows and len(starts) == rows
+        cu_q, cu_k, int(queries.max()), int(keys.max()), queries_are_keys and len(starts) == rows
     )
-    if not whole_rows or seg.whole_rows:
+    if not queries_are_keys or seg.whole_rows:
         return seg
     # Whole rows laid end to end: each document's queries and keys are the same flat tokens.
     long = keys >= LONG_DOCUMENT_TOKENS
