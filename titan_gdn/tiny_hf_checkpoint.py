@@ -21,22 +21,23 @@ from pathlib import Path
 import torch
 
 DEFAULT_TOKENIZER = "./assets/tokenizer"
-# A Qwen3.5 text model at the smallest shape every part keeps its structure in: grouped-query
-# attention (4 query heads, 2 KV heads), GDN with more value heads than key heads, partial RoPE.
+# A Qwen3.5 text model at the smallest shape every part keeps its structure in, by part:
+# grouped-query attention (4 query heads, 2 KV heads) with partial RoPE,
+_ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+_ROPE = dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25)
+# Gated DeltaNet with more value heads than key heads,
+_GDN_HEADS = dict(linear_num_key_heads=2, linear_num_value_heads=4)
+_GDN_DIMS = dict(linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+# and 4 layers (3 Gated DeltaNet, 1 attention) around them.
 TINY_SHAPE = dict(
     hidden_size=64,
     intermediate_size=96,
     num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=8,
-    linear_conv_kernel_dim=4,
+    **_ATTENTION,
+    rope_parameters=_ROPE,
+    **_GDN_HEADS,
+    **_GDN_DIMS,
     tie_word_embeddings=True,
-    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
     max_position_embeddings=4096,
 )
 

@@ -12,7 +12,9 @@ from titan_gdn.model import hf_config
 from titan_gdn.model.args import KERNEL_BACKENDS, Qwen35ModelArgs
 
 
-def _flavor(dim, n_layers, n_heads, n_kv_heads, hidden_dim, v_heads, tied) -> Qwen35ModelArgs:
+def _flavor(
+    dim, n_layers, n_heads, n_kv_heads, hidden_dim, v_heads, tied, **other_fields
+) -> Qwen35ModelArgs:
     return Qwen35ModelArgs(
         dim=dim,
         n_layers=n_layers,
@@ -21,6 +23,7 @@ def _flavor(dim, n_layers, n_heads, n_kv_heads, hidden_dim, v_heads, tied) -> Qw
         hidden_dim=hidden_dim,
         linear_num_value_heads=v_heads,
         enable_weight_tying=tied,
+        **other_fields,
     )
 
 
@@ -123,21 +126,12 @@ class Qwen35Flavors(Mapping[str, Qwen35ModelArgs]):
 
 
 # The debug model is tiny but keeps both layer types, grouped value heads and fewer KV heads
-# than attention heads, so every code path is exercised.
-_DEBUG_MODEL = Qwen35ModelArgs(
-    dim=256,
-    n_layers=4,
+# than attention heads, so every code path is exercised. Its GDN heads stay 128 wide as in the
+# published sizes: FLA's Hopper backward is lifted only for 128-wide tiles.
+_DEBUG_MODEL = replace(
+    _flavor(256, 4, 4, 2, 512, 8, tied=True, linear_num_key_heads=4),
     vocab_size=2048,
-    hidden_dim=512,
-    n_heads=4,
-    n_kv_heads=2,
     head_dim=64,
-    linear_num_key_heads=4,
-    linear_num_value_heads=8,
-    # 128 as in the published sizes: FLA's Hopper backward is lifted only for 128-wide
-    # tiles.
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
     max_seq_len=131072,
     # Chunked although the vocabulary is small, so the debug config trains through
     # the chunked loss; 200 divides no batch, so a short last chunk is exercised too.
