@@ -29,11 +29,15 @@ class Qwen35ModelArgs(BaseModelArgs):
     hidden_dim: int = 3584  # SwiGLU intermediate size
     norm_eps: float = 1e-6
     enable_weight_tying: bool = True
+    # The transformers model type the checkpoint keys and config.json follow (HF export).
+    hf_model_type: str = "qwen3_5_text"
 
-    # gated full attention
+    # gated full attention. Each part's `*_backend` names its kernels (a job setting, [model]);
+    # None picks per device: FLA and torch's flash and cuDNN kernels on CUDA, pure torch on CPU.
     n_heads: int = 8
     n_kv_heads: int = 2
     head_dim: int = 256
+    attn_backend: str | None = None
     rope_theta: float = 1e7
     partial_rotary_factor: float = 0.25
 
@@ -42,7 +46,9 @@ class Qwen35ModelArgs(BaseModelArgs):
     linear_num_value_heads: int = 16
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
+    delta_rule_backend: str | None = None
     linear_conv_kernel_dim: int = 4
+    conv_backend: str | None = None
 
     # Every `full_attention_interval`-th layer is full attention, unless `layer_types` says so.
     full_attention_interval: int = 4
@@ -57,21 +63,14 @@ class Qwen35ModelArgs(BaseModelArgs):
     # keeps dense MLPs in `mlp_only_layers` and in layers i with (i + 1) % decoder_sparse_step.
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True
     moe_hidden_dim: int = 0
     shared_expert_hidden_dim: int = 0
-    norm_topk_prob: bool = True
+    experts_backend: str | None = None
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     # Weight of transformers' load-balancing loss in the training loss (titan_gdn/loss.py).
     router_aux_loss_coef: float = 0.0
-    # The transformers model type the checkpoint keys and config.json follow (HF export).
-    hf_model_type: str = "qwen3_5_text"
-
-    # Kernel backends; None picks per device (FLA / flex on CUDA, pure torch on CPU).
-    delta_rule_backend: str | None = None
-    conv_backend: str | None = None
-    attn_backend: str | None = None
-    experts_backend: str | None = None
 
     # Training loss over this many tokens at a time, never materialising full-sequence logits
     # (titan_gdn/loss.py); 0 computes the logits at once. None: chunked when the vocabulary
