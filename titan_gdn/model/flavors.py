@@ -128,6 +128,8 @@ class Qwen35Flavors(Mapping[str, Qwen35ModelArgs]):
 # The debug model is tiny but keeps both layer types, grouped value heads and fewer KV heads
 # than attention heads, so every code path is exercised. Its GDN heads stay 128 wide as in the
 # published sizes: FLA's Hopper backward is lifted only for 128-wide tiles.
+# Its 4 key heads go into _flavor itself: the published flavors' 16 would not divide its 8
+# value heads, and the args check that when built.
 _DEBUG_MODEL = replace(
     _flavor(256, 4, 4, 2, 512, 8, tied=True, linear_num_key_heads=4),
     vocab_size=2048,
