@@ -67,6 +67,11 @@ class Segments(NamedTuple):
     long_documents: tuple[tuple[int, int], ...] = ()
     short: ShortDocuments | None = None
 
+    @property
+    def documents(self) -> tuple[Tensor, Tensor, int, int]:
+        """Every document's queries and keys, as the varlen kernels take them."""
+        return self.cu_q, self.cu_k, self.max_q, self.max_k
+
 
 def segments(
     cu_seqlens: Tensor, rows: int, row_len: int, query_start: int, query_len: int
@@ -132,7 +137,7 @@ def varlen_attention(
         return kernels.causal_forward(q, k, v)
     flat = [_flat(x) for x in (q, k, v)]
     if not seg.long_documents:
-        out, lse = kernels.varlen_forward(*flat, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k)
+        out, lse = _varlen_call(kernels, *seg.documents).forward(*flat)
         return out.view(q.shape), lse
     out = torch.empty_like(flat[0])
     lse = out.new_empty((out.shape[1], out.shape[0]), dtype=torch.float32)
@@ -168,8 +173,7 @@ def varlen_attention_backward(
         return kernels.causal_backward(grad, q, k, v, out, lse)
     flat = [_flat(x) for x in (grad, q, k, v, out)]
     if not seg.long_documents:
-        documents = (seg.cu_q, seg.cu_k, seg.max_q, seg.max_k)
-        grads = kernels.varlen_backward(*flat, lse, *documents)
+        grads = _varlen_call(kernels, *seg.documents).backward(*flat, lse)
         return tuple(g.view(x.shape) for g, x in zip(grads, (q, k, v), strict=True))
     grads = [torch.empty_like(x) for x in flat[1:4]]
     for index, call in _calls(seg, kernels):
