@@ -1,6 +1,13 @@
+import os
+
 import pytest
 
 from tests import bounded_autotune, device_lock
+
+# cuBLAS reads its workspace size once, when a process first uses it: set here, before any test
+# runs CUDA, so that every worker can turn on torch's deterministic kernels (which ask for this
+# fixed workspace) whatever ran before in it.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -84,13 +84,12 @@ def _graph_launches_and_recordings(model, batch) -> tuple[int, int]:
 
 
 @pytest.fixture
-def deterministic_kernels(monkeypatch):
+def deterministic_kernels():
     """torch's deterministic kernels, flash attention's backward among them: by default it sums
     dq with atomic adds, whose order follows the launch timing, and eager repeats (launched
     alike) then differ from each other less than from a graph replay (launched otherwise),
-    so no spread measured between them bounds the replay's error. cuBLAS takes a fixed
-    workspace in that mode."""
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    so no spread measured between them bounds the replay's error. cuBLAS's fixed workspace,
+    which that mode asks for, is set for the whole suite in conftest.py."""
     enabled = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     yield
