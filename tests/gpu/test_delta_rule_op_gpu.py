@@ -178,10 +178,13 @@ def _parallelized(model, ac_mode, compile_model):
     return parallelize_qwen3_5(model, dims, job)
 
 
-def _errors(logits, grads, ref_logits, ref_grads):
-    errors = {name: relative_error(grad, ref_grads[name]) for name, grad in grads.items()}
+def _grad_errors(grads, ref_grads):
+    return {name: relative_error(grad, ref_grads[name]) for name, grad in grads.items()}
+
+
+def _worst(errors):
     worst = max(errors, key=errors.get)
-    return relative_error(logits, ref_logits), worst, errors[worst]
+    return f"{worst} {errors[worst]:.1e}"
 
 
 @pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
@@ -210,17 +213,27 @@ def test_selective_checkpointing_keeps_the_kernel_outputs(monkeypatch, compile_m
     gdn_layers = qwen3_5_args["debugmodel"].layer_types.count(LINEAR_ATTENTION)
     assert counting.calls == {"forward": gdn_layers, "backward": gdn_layers}
     label = "compiled" if compile_model else "eager"
-    logits_error, worst, worst_error = _errors(logits, grads, ref_logits, ref_grads)
+    logits_error, errors = relative_error(logits, ref_logits), _grad_errors(grads, ref_grads)
     print(
-        f"selective AC ({label}) vs {label} without AC: "
-        f"logits {logits_error:.1e}, worst grad {worst} {worst_error:.1e}"
+        f"selective AC ({label}) vs {label} without AC: logits {logits_error:.1e}, worst grad "
+        f"{_worst(errors)}"
     )
-    if compile_model:  # how far inductor's fp32 elementwise code moves FLA's TF32 kernels
-        eager_errors = _errors(ref_logits, ref_grads, *_model_step(eager, tokens))
-        print(
-            "compiled vs eager, both without AC: logits {:.1e}, worst grad {} {:.1e}".format(
-                *eager_errors
-            )
-        )
     # fp32 around FLA's kernels, which multiply in TF32: far below what a wrong gradient gives.
-    assert logits_error <= 1e-2 and worst_error <= 1e-2
+    bounds = dict.fromkeys(errors, 1e-2)
+    if compile_model:
+        # Inductor fuses the elementwise code around the kernels otherwise with AC than without,
+        # which moves the TF32 kernels' inputs by rounding. A gradient that is a sum of nearly
+        # cancelling terms (A_log's, over every token) then moves far more than its terms: the
+        # same model compiled and eager, both without AC, differ by as much (0.36 relative in
+        # A_log's on one H200). Such a gradient is held to 4x that difference; a wrong saved
+        # output would move every gradient, the weights' among them, far past 1e-2.
+        eager_logits, eager_grads = _model_step(eager, tokens)
+        spread = _grad_errors(ref_grads, eager_grads)
+        print(
+            f"compiled vs eager, both without AC: logits "
+            f"{relative_error(ref_logits, eager_logits):.1e}, worst grad {_worst(spread)}"
+        )
+        bounds = {name: max(1e-2, 4 * spread[name]) for name in errors}
+    assert logits_error <= 1e-2
+    over = {name: (errors[name], bounds[name]) for name in errors if errors[name] > bounds[name]}
+    assert not over, over
