@@ -11,7 +11,7 @@ from tests.conftest import relative_error
 from titan_gdn.boundaries import DocumentBoundaries
 from titan_gdn.ops import varlen_attention
 from titan_gdn.ops.attention import document_causal_attention
-from titan_gdn.ops.varlen_attention import segments
+from titan_gdn.ops.varlen_attention import padded_length, segments
 
 EOS = 0
 
@@ -104,6 +104,7 @@ def test_long_documents_apart_from_the_short_ones_match_dense_mask(monkeypatch, 
     rows kernel alone, the others one varlen call over their gathered tokens: the same
     attention as the dense mask, and a chunk's queries (no split there) as before."""
     monkeypatch.setattr(varlen_attention, "LONG_DOCUMENT_TOKENS", 24)
+    monkeypatch.setattr(varlen_attention, "LENGTH_STEPS_PER_DOUBLING", 2)  # padded by up to half
     gen = torch.Generator().manual_seed(7 + query_start)
     rows, seq_len, heads, kv_heads, dim = 2, 160, 4, 2, 16
     docs = DocumentBoundaries.from_tokens(packed_rows(gen, rows, seq_len, 12), EOS)
@@ -112,6 +113,7 @@ def test_long_documents_apart_from_the_short_ones_match_dense_mask(monkeypatch, 
     if query_start == 0:
         long_lengths = [end - start for start, end in seg.long_documents]
         assert sorted(long_lengths) == sorted(lengths[lengths >= 24].tolist())
+        assert any(padded_length(n) > n for n in long_lengths)  # zero padding is exercised
         assert seg.short is not None and (lengths.lt(24) & lengths.gt(0)).any()
         ranges = (torch.arange(start, end) for start, end in seg.long_documents)
         covered = torch.cat([seg.short.tokens, *ranges])
@@ -119,3 +121,13 @@ def test_long_documents_apart_from_the_short_ones_match_dense_mask(monkeypatch, 
     else:
         assert not seg.long_documents and seg.short is None
     _assert_varlen_matches_dense_mask(gen, docs, heads, kv_heads, dim, query_start)
+
+
+def test_long_documents_take_few_padded_lengths():
+    """cuDNN plans every new shape anew: long documents are padded to at most 16 lengths per
+    doubling, by at most a sixteenth."""
+    lengths = range(8192, 4 * 8192 + 1)
+    padded = [padded_length(n) for n in lengths]
+    assert all(n <= p <= n * (1 + 1 / 16) for n, p in zip(lengths, padded, strict=True))
+    assert len(set(padded)) == 2 * 16 + 1  # 8k..16k, 16k..32k, and 32k itself
+    assert [padded_length(n) for n in (8192, 8193, 9000, 16385)] == [8192, 8704, 9216, 17408]

@@ -7,9 +7,10 @@ benchmarks.attention`) but takes no document boundaries (torch's cuDNN entry tha
 `cu_seqlens` gives outputs 2.2 relative error away from the document mask at this shape, with or
 without K/V repeated per query head: `--candidates varlen_cudnn`, H100, torch 2.11): a batch whose
 rows are each one document is one cuDNN call, and in other batches each document of at least
-`LONG_DOCUMENT_TOKENS` is a cuDNN call of its own, the shorter ones one varlen call over their
-gathered tokens. flex attention, the other CUDA backend, computes its blocks at a third of these
-kernels' rate at head dim 256.
+`LONG_DOCUMENT_TOKENS` is a cuDNN call of its own (zero-padded to one of a few lengths: cuDNN
+plans every new shape on the host), the shorter ones one varlen call over their gathered tokens.
+flex attention, the other CUDA backend, computes its blocks at a third of these kernels' rate at
+head dim 256.
 
 Queries of a chunk of each row (context parallel over sequence chunks) against the keys of
 all chunks up to it are the same varlen call, with each document's queries and keys given
@@ -44,6 +45,12 @@ from titan_gdn.ops.custom_op import OUTSIDE_CUDA_GRAPHS, recording_autograd
 # documents ran 1.30x, 64k in 16 1.22x faster (`python -m benchmarks.attention`). Grouping
 # documents of similar lengths as padded rows of one call was slower still in every layout.
 LONG_DOCUMENT_TOKENS = 8192
+
+# cuDNN builds an execution plan for every new shape it is given (tens of milliseconds of host
+# time each, forward and backward), and documents come in every length: a long document runs
+# zero-padded to the next multiple of a sixteenth of its power of two (at most 6.25% more
+# tokens), so that a whole training run meets at most 16 lengths per doubling.
+LENGTH_STEPS_PER_DOUBLING = 16
 
 
 class ShortDocuments(NamedTuple):
@@ -225,9 +232,8 @@ def _calls(seg: Segments, kernels: _Kernels):
     if seg.short is not None:
         short = seg.short
         yield short.tokens, _varlen_call(kernels, short.cu, short.cu, short.max_len, short.max_len)
-    one_document = _one_document_call(kernels)
     for start, end in seg.long_documents:
-        yield slice(start, end), one_document
+        yield slice(start, end), _one_document_call(kernels, end - start)
 
 
 def _varlen_call(kernels, *documents) -> _Call:
@@ -237,18 +243,33 @@ def _varlen_call(kernels, *documents) -> _Call:
     )
 
 
-def _one_document_call(kernels: _Kernels) -> _Call:
-    """The rows kernel (cuDNN's dense causal one) on one document's flattened tokens."""
+def _one_document_call(kernels: _Kernels, length: int) -> _Call:
+    """The rows kernel (cuDNN's dense causal one) on one document's flattened tokens, as a row
+    of `padded_length(length)` whose tokens past the document are zeros. Causal: no query of
+    the document sees them. Their queries get a zero gradient, so in the backward they add
+    nothing to any key's or value's: their scores are all 0 (zero queries), so any finite
+    log-sum-exp (0 here) gives finite probabilities, and zero times finite is zero."""
+    padding = padded_length(length) - length
+
+    def row(x):
+        return F.pad(x, (0,) * 2 * (x.dim() - 1) + (0, padding))[None] if padding else x[None]
 
     def forward(q, k, v):
-        out, lse = kernels.causal_forward(q[None], k[None], v[None])
-        return out[0], lse
+        out, lse = kernels.causal_forward(row(q), row(k), row(v))
+        return out[0, :length], lse[:, :length]
 
     def backward(grad, q, k, v, out, lse):
-        rows = (x[None] for x in (grad, q, k, v, out))
-        return tuple(g[0] for g in kernels.causal_backward(*rows, lse))
+        padded_lse = F.pad(lse, (0, padding)) if padding else lse
+        grads = kernels.causal_backward(*(row(x) for x in (grad, q, k, v, out)), padded_lse)
+        return tuple(g[0, :length] for g in grads)
 
     return _Call(forward, backward)
+
+
+def padded_length(length: int) -> int:
+    """`length` rounded up to a multiple of 1/LENGTH_STEPS_PER_DOUBLING of its power of two."""
+    step = max(1, (1 << (length.bit_length() - 1)) // LENGTH_STEPS_PER_DOUBLING)
+    return -(-length // step) * step
 
 
 def _flat(x: Tensor) -> Tensor:
