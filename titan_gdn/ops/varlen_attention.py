@@ -18,9 +18,10 @@ apart: the kernels align a causal mask at the bottom right, so a query sees the 
 document up to its own position.
 
 The kernels take the documents as host integers (how many, the longest): they are read once
-per step from the padded boundaries (`documents.host_boundaries`, the step's one host sync,
+per step from the padded boundaries (`boundaries.host_boundaries`, the step's one host sync,
 shared with FLA's chunk indices) and turned into the kernels' boundaries once per chunk
-layout. On CPU (tests) the same op runs a per-document reference instead of the kernels.
+layout, copied back to the GPU from pinned memory without waiting for it. On CPU (tests) the
+same op runs a per-document reference instead of the kernels.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def _segments(bounds, rows, row_len, query_start, query_len, device) -> Segments
     first, last = first[seen], last[seen].clamp(max=key_end)
     queries = (last - first.clamp(min=query_start)).clamp(min=0)  # 0: all before the chunk
     keys = last - first
-    cu_q, cu_k = (F.pad(n.cumsum(0), (1, 0)).to(device, torch.int32) for n in (queries, keys))
+    cu_q, cu_k = (_on_device(F.pad(n.cumsum(0), (1, 0)).int(), device) for n in (queries, keys))
     queries_are_keys = query_start == 0 and query_len == row_len  # whole rows, not a chunk
     seg = Segments(
         cu_q, cu_k, int(queries.max()), int(keys.max()), queries_are_keys and len(starts) == rows
@@ -125,7 +126,19 @@ def _short_documents(starts, lengths, short, device) -> ShortDocuments | None:
         return None
     cu = F.pad(lengths.cumsum(0), (1, 0))
     tokens = torch.arange(int(cu[-1])) + (starts - cu[:-1]).repeat_interleave(lengths)
-    return ShortDocuments(tokens.to(device), cu.to(device, torch.int32), int(lengths.max()))
+    return ShortDocuments(
+        _on_device(tokens, device), _on_device(cu.int(), device), int(lengths.max())
+    )
+
+
+def _on_device(x: Tensor, device: torch.device) -> Tensor:
+    """A host tensor copied to `device` behind the queued GPU work, without waiting for it: a
+    copy from pageable memory makes torch wait for the stream (a small copy behind three 8k
+    matmuls took the host 63 ms, H100), and the GPU would drain in the step's first attention
+    layer. From pinned memory it is queued; torch keeps the pinned block until it is done."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 # ---------------------------------------------------------------------------------------------
