@@ -265,8 +265,8 @@ def _one_document_call(kernels: _Kernels, length: int) -> _Call:
     log-sum-exp (0 here) gives finite probabilities, and zero times finite is zero."""
     padding = padded_length(length) - length
 
-    def row(x):
-        return F.pad(x, (0,) * 2 * (x.dim() - 1) + (0, padding))[None] if padding else x[None]
+    def row(x):  # [tokens, heads, dim] -> [1, padded tokens, heads, dim]
+        return F.pad(x, (0, 0, 0, 0, 0, padding))[None] if padding else x[None]
 
     def forward(q, k, v):
         out, lse = kernels.causal_forward(row(q), row(k), row(v))
