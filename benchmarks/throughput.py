@@ -210,6 +210,8 @@ class _profiled_step:
         layer_types = trainer.model_args.layer_types
         self.breakdown = step_breakdown(prof.events(), layer_types, rt.cuda, exchanges)
         self.breakdown["profiled_step_ms"] = round(profiled_ms, 3)
+        # The profiled step trained on the last timed step's rows: that step's time.
+        self.breakdown["same_rows_step_ms"] = round(trainer.step_seconds[-1] * 1000, 3)
 
 
 def _every_ranks_exchanges(prof, cp: int) -> list[list]:

@@ -4,7 +4,9 @@
 command-line overrides, and trained by its own `train()` loop (data loader, batch checks, loss
 guard, metrics, optimizer and LR schedule as a user gets them). It adds only what measuring
 needs: a stop after `warmup + steps` steps, a device synchronization around each step to time
-it, the losses and rows it saw, and an optional profiled last step.
+it, the losses and rows it saw, and an optional profiled last step. The profiled step trains on
+the last timed step's rows again: where rows differ in their documents (the long-tailed corpus),
+its breakdown and GPU-busy time are those of a step whose time was measured, not of a new row.
 
 Imported after `titan_gdn.cpu.use_cpu_if_no_accelerator()`: torchtitan's trainer module copies
 the device type at import time.
@@ -39,16 +41,34 @@ class TimedTrainer(Qwen35Trainer):
         self.host_seconds: list[float] = []  # until the step's call returned
         self.losses: list[torch.Tensor] = []  # every step's (summed over micro-batches)
         self._micro_batch_losses: list[torch.Tensor] = []
-        self.rows: list[torch.Tensor] = []  # every step's input ids, as the loader gave them
+        self.rows: list[torch.Tensor] = []  # every micro-batch's input ids, as the loader gave them
+        self._step_batches: list[tuple[dict, torch.Tensor]] = []  # the last step's, on the host
 
     def should_continue_training(self) -> bool:
         last = self.warmup + self.timed_steps + (self.profiled_step is not None)
         return self.step < last
 
     def batch_generator(self, data_iterable):
-        for input_dict, labels in super().batch_generator(data_iterable):
+        batches = super().batch_generator(data_iterable)
+        while True:
+            if self._is_profiled_step():
+                yield from self._replayed(self._step_batches)
+                return
+            if len(self._step_batches) == self.gradient_accumulation_steps:
+                self._step_batches = []
+            input_dict, labels = next(batches)
             self.rows.append(input_dict["input"])
+            # A copy of the dict: the trainer puts device copies of the tensors into its own.
+            self._step_batches.append((dict(input_dict), labels))
             yield input_dict, labels
+
+    def _is_profiled_step(self) -> bool:
+        return self.profiled_step is not None and self.step - 1 == self.warmup + self.timed_steps
+
+    @staticmethod
+    def _replayed(batches):
+        for input_dict, labels in batches:
+            yield dict(input_dict), labels
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
         loss = super().forward_backward_step(**kwargs)
@@ -88,4 +108,7 @@ class TimedTrainer(Qwen35Trainer):
         return self.losses[: self.warmup + self.timed_steps]
 
     def timed_rows(self) -> list[torch.Tensor]:
-        return self.rows[: self.warmup + self.timed_steps]
+        """The input ids of the timed steps' micro-batches (what the profiled step replays is
+        the last of them)."""
+        per_step = self.gradient_accumulation_steps
+        return self.rows[self.warmup * per_step : (self.warmup + self.timed_steps) * per_step]

@@ -235,6 +235,45 @@ def test_a_run_with_overrides_is_its_own_configuration_in_every_table():
     assert "| none, `--compile.cudagraphs` | trainer |" in rows and "| none | trainer |" in rows
 
 
+def test_busy_target_holds_the_step_whose_rows_the_profiled_step_trained_again():
+    result = {"flavor": "0.8B", "seq_len": 16, "cp": 1, "gpus": 1, "dp": 1, "ac": "none"}
+    result |= {"status": "ok", "config": "c.toml", "tokens_per_s_per_gpu": 1.0}
+    result |= {"step_time_s": 0.140}  # the median of rows unlike the profiled one
+    result["breakdown"] = {"busy_ms": 100.0, "same_rows_step_ms": 104.0, "categories_ms": {}}
+    data = {"environment": {"date": "2026-12-06 01:00 UTC"}, "options": {}, "results": [result]}
+    results = {"throughput": [("long-tail.json", data)]}
+    met = "\n".join(targets.targets_met(results, tables.Sources(results), {}))
+    assert "| 0.8B 16 cp=1 ac=none | 1.040 (104.0 / 100.0 ms) | yes |" in met
+
+
+def test_profiled_step_replays_the_last_timed_steps_rows():
+    """The profiled step trains on the rows of the last timed step again (every micro-batch,
+    as the loader gave them), and the timed rows are the timed steps' alone."""
+    from types import SimpleNamespace
+
+    from benchmarks.timed_trainer import TimedTrainer
+
+    trainer = TimedTrainer.__new__(TimedTrainer)  # the data path alone, no model
+    trainer.warmup, trainer.timed_steps, trainer.gradient_accumulation_steps = 1, 2, 2
+    trainer.profiled_step = lambda _: None
+    trainer.rows, trainer._step_batches, trainer.model_args = [], [], None
+    trainer.job_config = SimpleNamespace(model=SimpleNamespace())
+    trainer.ntokens_seen = 0
+    trainer.metrics_processor = SimpleNamespace(ntokens_since_last_log=0, data_loading_times=[])
+    loader = (({"input": torch.full((1, 4), i)}, torch.full((1, 4), i)) for i in range(100))
+    batches = trainer.batch_generator(loader)
+    seen = []
+    for step in range(1, 5):  # warm-up, two timed steps, the profiled step
+        trainer.step = step
+        for _ in range(2):
+            input_dict, labels = next(batches)
+            seen.append(int(input_dict["input"][0, 0]))
+            assert torch.equal(input_dict["input"], labels)
+            input_dict["input"] = None  # as the trainer puts its device copy in the dict
+    assert seen == [0, 1, 2, 3, 4, 5, 4, 5]
+    assert [int(row[0, 0]) for row in trainer.timed_rows()] == [2, 3, 4, 5]
+
+
 def test_bandwidth_target_compares_kernel_time_with_kernel_time_when_the_probe_has_it():
     size = {"bytes": 1024, "gb_per_s": 400.0}
     wall_only = [{"bytes": 1024, "gb_per_s": 320.0}]

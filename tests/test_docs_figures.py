@@ -520,6 +520,7 @@ METRIC_WORDS = {
     "step_time_s": "step",
     "step_times_s": "step",
     "profiled_step_ms": "step",
+    "same_rows_step_ms": "step",
     "busy_ms": "busy",
     "exposed_comm_ms": "exposed",
     "fwd_bwd_ms": "backward",
