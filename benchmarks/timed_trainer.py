@@ -53,7 +53,7 @@ class TimedTrainer(Qwen35Trainer):
         while True:
             if self._is_profiled_step():
                 yield from self._replayed(self._step_batches)
-                return
+                continue  # resumed by the step after it (benchmarks.host_profile runs more)
             if len(self._step_batches) == self.gradient_accumulation_steps:
                 self._step_batches = []
             input_dict, labels = next(batches)

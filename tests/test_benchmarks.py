@@ -248,7 +248,8 @@ def test_busy_target_holds_the_step_whose_rows_the_profiled_step_trained_again()
 
 def test_profiled_step_replays_the_last_timed_steps_rows():
     """The profiled step trains on the rows of the last timed step again (every micro-batch,
-    as the loader gave them), and the timed rows are the timed steps' alone."""
+    as the loader gave them), a step after it on new rows, and the timed rows are the timed
+    steps' alone."""
     from types import SimpleNamespace
 
     from benchmarks.timed_trainer import TimedTrainer
@@ -263,14 +264,14 @@ def test_profiled_step_replays_the_last_timed_steps_rows():
     loader = (({"input": torch.full((1, 4), i)}, torch.full((1, 4), i)) for i in range(100))
     batches = trainer.batch_generator(loader)
     seen = []
-    for step in range(1, 5):  # warm-up, two timed steps, the profiled step
+    for step in range(1, 6):  # warm-up, two timed steps, the profiled step, one more
         trainer.step = step
         for _ in range(2):
             input_dict, labels = next(batches)
             seen.append(int(input_dict["input"][0, 0]))
             assert torch.equal(input_dict["input"], labels)
             input_dict["input"] = None  # as the trainer puts its device copy in the dict
-    assert seen == [0, 1, 2, 3, 4, 5, 4, 5]
+    assert seen == [0, 1, 2, 3, 4, 5, 4, 5, 6, 7]
     assert [int(row[0, 0]) for row in trainer.timed_rows()] == [2, 3, 4, 5]
 
 
