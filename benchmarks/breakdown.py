@@ -177,7 +177,7 @@ def step_breakdown(
     if cuda:
         result["busy_ms"] = round(_union_us(events) / 1000, 3)
         result["exposed_comm_ms"] = _exposed_comm_ms(events)
-    result["host_syncs"] = _host_syncs(cpu_ops, chains)
+    result["host_syncs"] = _host_syncs(cpu_ops, chains, cuda)
     return result
 
 
@@ -202,21 +202,23 @@ class _Chains:
 
 # Where the host waits for the device: CUDA's synchronizing calls, and the op behind
 # `.item()` / `int(tensor)` (which also names the wait on CPU, where there is no CUDA call).
-_SYNCS = (
-    "cudaStreamSynchronize",
-    "cudaDeviceSynchronize",
-    "cudaEventSynchronize",
-    "aten::_local_scalar_dense",
-)
+_CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+_VALUE_READ = "aten::_local_scalar_dense"
+_SYNCS = (*_CUDA_SYNCS, _VALUE_READ)
 
 
-def _host_syncs(cpu_ops, chains: _Chains) -> dict:
-    """Host syncs in the step by phase, and the ops that cause the most of them."""
+def _host_syncs(cpu_ops, chains: _Chains, cuda: bool) -> dict:
+    """Host syncs in the step by phase, and the ops that cause the most of them. In a CUDA
+    profile a value read counts only with a synchronizing call inside it: reading a host
+    tensor's value (the boundaries the host already holds) waits for nothing."""
+    waiting = {id(e) for op in cpu_ops if op.name in _CUDA_SYNCS for e in chains.of(op)}
     by_phase: dict[str, int] = defaultdict(int)
     causes: dict[str, int] = defaultdict(int)
     for op in cpu_ops:
         chain = chains.of(op)
         if op.name not in _SYNCS or any(e.name in _SYNCS for e in chain[1:]):
+            continue
+        if cuda and op.name == _VALUE_READ and id(op) not in waiting:
             continue
         by_phase[_phase(chain)] += 1
         cause = next((e.name for e in chain[1:] if not e.name.startswith("bench::")), "step")

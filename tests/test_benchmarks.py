@@ -391,6 +391,26 @@ def _cuda_call(id, name, start, end, parent, launching=None):
     return call
 
 
+def test_host_syncs_of_a_gpu_step_are_the_reads_that_wait_for_the_device():
+    """A hand-made CUDA trace: a value read from device memory (a synchronizing call inside),
+    one from a host tensor (none: no wait), a blocking copy; on CPU every value read counts."""
+    from benchmarks.breakdown import step_breakdown
+
+    forward = _event(1, "bench::forward", 0, 100, is_user_annotation=True)
+    device_item = _event(2, "aten::item", 10, 20, forward)
+    device_read = _event(3, "aten::_local_scalar_dense", 11, 19, device_item)
+    wait = _cuda_call(4, "cudaStreamSynchronize", 12, 18, device_read)
+    host_item = _event(5, "aten::item", 30, 31, forward)
+    host_read = _event(6, "aten::_local_scalar_dense", 30, 31, host_item)
+    copy = _event(7, "aten::copy_", 40, 50, forward)
+    copy_wait = _cuda_call(8, "cudaStreamSynchronize", 41, 49, copy)
+    cpu = [forward, device_item, device_read, wait, host_item, host_read, copy, copy_wait]
+    syncs = step_breakdown(cpu, ["linear_attention"], cuda=True)["host_syncs"]
+    assert syncs["total"] == 2 and syncs["top_causes"] == {"aten::item": 1, "aten::copy_": 1}
+    syncs = step_breakdown(cpu, ["linear_attention"], cuda=False)["host_syncs"]
+    assert syncs["total"] == 3 and syncs["top_causes"] == {"aten::item": 2, "aten::copy_": 1}
+
+
 def test_gpu_kernels_are_attributed_to_blocks_collectives_and_directions():
     """A hand-made CUDA trace: a GDN block whose forward runs an all-to-all and the delta rule,
     and whose compiled backward (matched by sequence number) runs another all-to-all."""

@@ -76,10 +76,11 @@ def where_time_goes(results: dict, sources: Sources, plots: dict) -> list[str]:
         "recorded: empty); GDN block: delta rule + conv share of the GDN decoder blocks' time "
         "without FSDP; GDN layer: the same share without the MLP's GEMMs (the block's GEMM "
         "time split by the linear weights of the layer and of the MLP); host syncs: times the "
-        "host waited for the device, by phase. Shares left empty: that profile's categories "
-        "sum to more than its busy time on one stream, some kernels counted under two ops "
-        "(the attribution of the benchmark that wrote it; kernels are now claimed once); its "
-        "busy time is right.",
+        "host waited for the device, by phase (profiles recorded before reads of a host "
+        "tensor's value were told apart count those too). Shares left empty: that profile's "
+        "categories sum to more than its busy time on one stream, some kernels counted under "
+        "two ops (the attribution of the benchmark that wrote it; kernels are now claimed "
+        "once); its busy time is right.",
         "",
     ]
     return intro + sources.table(headings, body)
