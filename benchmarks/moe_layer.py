@@ -40,6 +40,11 @@ on the block's modules and around `experts_swiglu`, the model unchanged; backwar
 the part whose forward op made its autograd node. Grouped-GEMM TFLOP/s counts
 2 * tokens * top_k * 3 * I * D forward (gate, up, down), three times that forward + backward,
 over the GEMM kernels inside the grouped-GEMM part.
+
+The JSON is rewritten after every entry. On a fresh GPU FLA tunes the GDN layer's kernels at their
+first launch (minutes at 35B-A3B's heads), so a run may not fit one time-limited command: rerun
+the same command with `--resume` on the same machine, and it keeps the points the file holds
+(every candidate measured) and measures the others, a point cut short from its start.
 """
 
 from __future__ import annotations
@@ -121,6 +126,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--check-tokens", type=int, default=512)
     parser.add_argument("--tolerance", type=float, default=2e-2)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the points --out already holds and measure only the others (a run cut short "
+        "by a time limit, continued on the same machine)",
+    )
     return parser.parse_args(argv)
 
 
@@ -160,7 +171,39 @@ def option_problems(args: argparse.Namespace) -> list[str]:
         found.append(f"--tokens / --check-tokens {short}: a row needs at least 3 tokens")
     if args.reps < 1 or args.profile_steps < 1:
         found.append("--reps and --profile-steps: at least 1 each (the median, the profile)")
+    if args.resume and args.out is None:
+        found.append("--resume: continues the file of --out; pass --out")
     return found
+
+
+# What a resumed run must share with the file it continues: every point measured the same way.
+RESUME_SETTINGS = (
+    "flavor",
+    "compile_backend",
+    "reps",
+    "warmup",
+    "profile_steps",
+    "check_tokens",
+    "tolerance",
+)
+
+
+def resume_problems(previous: dict, result: dict) -> list[str]:
+    """How the file to continue differs from this run's settings, each with its fix."""
+    if previous.get("kind") != "moe_layer" or "settings" not in previous:
+        return ["--resume: --out holds no moe_layer run with its settings; use another --out"]
+    found = [
+        f"--{name.replace('_', '-')}: the file was measured with {previous['settings'][name]!r}, "
+        f"this run asks {result['settings'][name]!r}"
+        for name in RESUME_SETTINGS
+        if previous["settings"].get(name) != result["settings"][name]
+    ]
+    if previous["transformers"] != result["transformers"]:
+        found.append(
+            f"transformers: the file compared against {previous['transformers']}, this run "
+            f"against {result['transformers']} (--transformers-experts, or the installed one)"
+        )
+    return [p + "; drop --resume or use another --out" for p in found]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -512,24 +555,51 @@ def _transformers_record(implementations: list[str], device) -> dict:
     }
 
 
-def measure_mixer(mixer: str, options, device, modeling, result: dict) -> None:
+def measure_mixer(mixer: str, options, device, modeling, result: dict, measured: dict) -> None:
+    """`measured` (this run's date and commit) goes into each entry: a resumed file holds
+    entries of several runs."""
+    checked = result["checks"].get(mixer)
+    if checked is not None and not missing_points(result, mixer, options, candidates(checked)):
+        return  # resumed, and the file holds every point of this mixer
     delta_rule = result["transformers"]["delta_rule"]
     layers = build_layers(layer_args(options.flavor, mixer), device, modeling, delta_rule)
     if options.compile_backend != "none":
         compile_moe_block(layers.ours, options.compile_backend)
-    implementations = result["transformers"]["experts_implementations"]
-    checks = result["checks"].setdefault(mixer, {})
-    for implementation in implementations:
+    checks = result["checks"][mixer] = {}
+    for implementation in result["transformers"]["experts_implementations"]:
         name = f"transformers_{implementation}"
         checks[name] = check_candidate(layers, implementation, options, device)
         print(f"check {mixer} {name}: {checks[name]}", flush=True)
-    runnable = [i for i in implementations if isinstance(checks[f"transformers_{i}"], dict)]
-    for tokens in options.tokens:
-        for corpus in options.corpora:
-            for entry in measure_point(layers, tokens, corpus, runnable, options, device):
-                _add(result, entry, options)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    runnable = [name.removeprefix("transformers_") for name in candidates(checks)[1:]]
+    for tokens, corpus in missing_points(result, mixer, options, candidates(checks)):
+        for entry in measure_point(layers, tokens, corpus, runnable, options, device):
+            _add(result, {**entry, "measured": measured}, options)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def candidates(checks: dict) -> list[str]:
+    """Ours and the transformers implementations whose check ran (a string: this device
+    cannot run it)."""
+    return [OURS] + [name for name, errors in checks.items() if isinstance(errors, dict)]
+
+
+def missing_points(result: dict, mixer: str, options, candidates: list[str]) -> list[tuple]:
+    """The (tokens, corpus) points of `mixer` that `result` lacks a candidate of. A point cut
+    short loses what it has, so that each transformers time is over ours of the same run."""
+    wanted = [(tokens, corpus) for tokens in options.tokens for corpus in options.corpora]
+
+    def held(tokens, corpus):
+        return [
+            e
+            for e in result["results"]
+            if (e["mixer"], e["tokens"], e["corpus"]) == (mixer, tokens, corpus)
+        ]
+
+    missing = [p for p in wanted if not set(candidates) <= {e["candidate"] for e in held(*p)}]
+    partial = [id(e) for p in missing for e in held(*p)]
+    result["results"] = [e for e in result["results"] if id(e) not in partial]
+    return missing
 
 
 def check_candidate(layers: LayerPair, implementation: str, options, device) -> dict | str:
@@ -599,7 +669,7 @@ def measure_point(layers: LayerPair, tokens: int, corpus: str, implementations, 
 
 def _add(result: dict, entry: dict, options) -> None:
     result["results"].append(entry)
-    shown = {k: v for k, v in entry.items() if k not in ("parts_ms", "measure")}
+    shown = {k: v for k, v in entry.items() if k not in ("parts_ms", "measure", "measured")}
     print(" ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
     if options.out:
         records.write_json(options.out, result)
@@ -651,9 +721,10 @@ def main(argv: list[str] | None = None) -> dict:
     family = TRANSFORMERS_CLASSES[MOE][0]
     modeling = transformers_qwen3_5_module(torch_path=not cuda, family=family)
     flavor = qwen3_5_args[options.flavor]
+    environment = _environment(device, argv)
     result = {
         "kind": "moe_layer",
-        "environment": _environment(device, argv),
+        "environment": environment,
         "flavor": options.flavor,
         "shape": {
             "dim": flavor.dim,
@@ -663,14 +734,22 @@ def main(argv: list[str] | None = None) -> dict:
             "shared_expert_hidden_dim": flavor.shared_expert_hidden_dim,
         },
         "dtype": "bfloat16",
-        "compile_backend": options.compile_backend,
         "transformers": _transformers_record(implementations, device),
-        "tolerance": options.tolerance,
+        "settings": {name: getattr(options, name) for name in RESUME_SETTINGS},
         "checks": {},
         "results": [],
     }
+    previous = records.read_json(options.out) if options.resume else None
+    if previous is not None:
+        found = resume_problems(previous, result)
+        if found:
+            raise SystemExit("moe_layer: " + "; ".join(found))
+        # The first invocation's environment stays; `commands` lists every one that added.
+        result = {**previous, "checks": {**previous["checks"]}}
+    result.setdefault("commands", []).append(environment["command"])
+    measured = {"date": environment["date"], "git": environment["git"]}
     for mixer in options.mixers:
-        measure_mixer(mixer, options, device, modeling, result)
+        measure_mixer(mixer, options, device, modeling, result, measured)
     print_table(result)
     return result
 

@@ -34,7 +34,7 @@ def points_of_a_complete_run(result: dict) -> dict[tuple[str, str, str], dict]:
                 f"{b}_{what}" for b in ("mixer", "moe") for what in ("output", "input_grad")
             }
             assert set(errors) == branches, errors
-            assert max(errors.values()) <= result["tolerance"]
+            assert max(errors.values()) <= result["settings"]["tolerance"]
     points = {(r["mixer"], r["corpus"], r["candidate"]): r for r in result["results"]}
     candidates = [*theirs, "titan_gdn"]
     assert set(points) == {(m, c, n) for m in moe_layer.MIXERS for c in CORPORA for n in candidates}
@@ -143,3 +143,49 @@ def test_gpu_kernels_go_to_the_part_whose_forward_made_them():
     assert result["grouped_gemm_kernels_ms"] == 0.018
     assert parts["other"] == 0.002  # gradient accumulation: no forward part
     assert parts["mixer"] == parts["permutation"] == 0
+
+
+def test_resume_keeps_the_points_the_file_holds_and_measures_the_rest(tmp_path, monkeypatch):
+    out = tmp_path / "moe_layer.json"
+    argv = ["--flavor", "debugmoe", "--tokens", "64", "--device", "cpu", "--reps", "1"]
+    argv += ["--warmup", "0", "--profile-steps", "1", "--check-tokens", "32", "--out", str(out)]
+    argv += ["--compile-backend", "none", "--mixers", "full_attention"]
+    theirs = [f"transformers_{name}" for name in moe_layer.installed_experts_implementations()]
+    candidates = {"titan_gdn", *theirs}
+
+    def entries(result, corpus):
+        return [e for e in result["results"] if e["corpus"] == corpus]
+
+    first = moe_layer.main([*argv, "--corpora", "short"])
+    # A run cut short inside its second point: ours measured, transformers' not.
+    cut = moe_layer.main([*argv, "--resume", "--corpora", "short", "one-document"])
+    cut["results"] = [
+        e for e in cut["results"] if e["corpus"] == "short" or e["candidate"] == "titan_gdn"
+    ]
+    out.write_text(json.dumps(cut))
+
+    resumed = moe_layer.main([*argv, "--resume", "--corpora", "short", "one-document"])
+    saved = json.loads(out.read_text())
+    assert entries(saved, "short") == entries(first, "short")  # not measured again
+    one_document = entries(saved, "one-document")
+    assert sorted(e["candidate"] for e in one_document) == sorted(candidates)
+    ours = next(e for e in one_document if e["candidate"] == "titan_gdn")
+    for entry in one_document:
+        if entry is not ours:  # over the ours of its own run, not the cut run's
+            assert entry["over_ours"] == pytest.approx(entry["ms"] / ours["ms"], rel=1e-2)
+    assert saved["environment"] == first["environment"]
+    assert all(set(e["measured"]) == {"date", "git"} for e in saved["results"])
+    assert len(saved["commands"]) == 3 and all("--resume" in c for c in saved["commands"][1:])
+    assert resumed["results"] == saved["results"]
+
+    # Nothing left to measure: no layer is built.
+    def no_layers(*args, **kwargs):
+        raise AssertionError("a complete file needs no layer")
+
+    monkeypatch.setattr(moe_layer, "build_layers", no_layers)
+    moe_layer.main([*argv, "--resume", "--corpora", "one-document"])
+
+    with pytest.raises(SystemExit, match="--reps: the file was measured with 1, this run asks 2"):
+        moe_layer.main([*argv[:7], "2", *argv[8:], "--resume"])
+    with pytest.raises(SystemExit, match="--resume: continues the file of --out"):
+        moe_layer.main(["--resume", "--device", "cpu", "--flavor", "debugmoe"])
