@@ -141,10 +141,7 @@ class Search:
         self.data = previous or {"kind": "memory", "options": self.options, "trials": []}
         # A failed trial (a timeout, a crash) is tried again; fits and OOMs are kept.
         self.data["trials"] = [t for t in self.data["trials"] if t["status"] in ("ok", "oom")]
-        command = records.command_line(MODULE, 1)
-        commands = self.data.setdefault("commands", [])
-        if command not in commands:
-            commands.append(command)
+        records.add_command(self.data, records.command_line(MODULE, 1))
 
     def fits(self, seq_len: int) -> bool:
         trial = next((t for t in self.data["trials"] if t["seq_len"] == seq_len), None)

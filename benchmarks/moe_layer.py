@@ -746,7 +746,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit("moe_layer: " + "; ".join(found))
         # The first invocation's environment stays; `commands` lists every one that added.
         result = {**previous, "checks": {**previous["checks"]}}
-    result.setdefault("commands", []).append(environment["command"])
+    records.add_command(result, environment["command"])
     measured = {"date": environment["date"], "git": environment["git"]}
     for mixer in options.mixers:
         measure_mixer(mixer, options, device, modeling, result, measured)

@@ -63,6 +63,14 @@ def command_line(module: str, processes: int) -> str:
     return f"python -m {module} {args}"
 
 
+def add_command(data: dict, command: str) -> None:
+    """`command` into the file's `commands`, once: every invocation that added to a file that
+    `--resume` runs continue."""
+    commands = data.setdefault("commands", [])
+    if command not in commands:
+        commands.append(command)
+
+
 def write_json(path: Path, data: dict) -> None:
     """Atomically: a run stopped mid-write leaves the previous file."""
     path.parent.mkdir(parents=True, exist_ok=True)

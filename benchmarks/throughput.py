@@ -93,9 +93,7 @@ class Run:
             "probe": [],
         }
         # Every invocation that added to the file: --resume runs may differ in their lists.
-        _add_unique(
-            self.data.setdefault("commands", []), records.command_line(MODULE, rt.world_size)
-        )
+        records.add_command(self.data, records.command_line(MODULE, rt.world_size))
 
     def done(self, section: str, key: dict) -> bool:
         return any(_matches(entry, key) for entry in self.data[section])
@@ -121,11 +119,6 @@ class Run:
         rank = common.dp_rank(self.rt, run.cp) if dp_rank is None else dp_rank
         tokenizer = common.load_tokenizer(job)
         return common.make_batches(job, tokenizer, run.seq_len, count, rank, dp_size)
-
-
-def _add_unique(items: list, item) -> None:
-    if item not in items:
-        items.append(item)
 
 
 def _matches(entry: dict, key: dict) -> bool:
