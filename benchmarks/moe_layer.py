@@ -572,6 +572,9 @@ def measure_mixer(mixer: str, options, device, modeling, result: dict, measured:
         print(f"check {mixer} {name}: {checks[name]}", flush=True)
     runnable = [name.removeprefix("transformers_") for name in candidates(checks)[1:]]
     for tokens, corpus in missing_points(result, mixer, options, candidates(checks)):
+        # A point cut short is measured from its start, so that each transformers time is
+        # over ours of the same run: what the file holds of it goes.
+        result["results"] = [e for e in result["results"] if not _of(e, mixer, tokens, corpus)]
         for entry in measure_point(layers, tokens, corpus, runnable, options, device):
             _add(result, {**entry, "measured": measured}, options)
         if device.type == "cuda":
@@ -585,21 +588,18 @@ def candidates(checks: dict) -> list[str]:
 
 
 def missing_points(result: dict, mixer: str, options, candidates: list[str]) -> list[tuple]:
-    """The (tokens, corpus) points of `mixer` that `result` lacks a candidate of. A point cut
-    short loses what it has, so that each transformers time is over ours of the same run."""
-    wanted = [(tokens, corpus) for tokens in options.tokens for corpus in options.corpora]
+    """The (tokens, corpus) points of `mixer` that `result` lacks a candidate of."""
+    return [
+        (tokens, corpus)
+        for tokens in options.tokens
+        for corpus in options.corpora
+        if not set(candidates)
+        <= {e["candidate"] for e in result["results"] if _of(e, mixer, tokens, corpus)}
+    ]
 
-    def held(tokens, corpus):
-        return [
-            e
-            for e in result["results"]
-            if (e["mixer"], e["tokens"], e["corpus"]) == (mixer, tokens, corpus)
-        ]
 
-    missing = [p for p in wanted if not set(candidates) <= {e["candidate"] for e in held(*p)}]
-    partial = [id(e) for p in missing for e in held(*p)]
-    result["results"] = [e for e in result["results"] if id(e) not in partial]
-    return missing
+def _of(entry: dict, mixer: str, tokens: int, corpus: str) -> bool:
+    return (entry["mixer"], entry["tokens"], entry["corpus"]) == (mixer, tokens, corpus)
 
 
 def check_candidate(layers: LayerPair, implementation: str, options, device) -> dict | str:
