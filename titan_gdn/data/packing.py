@@ -6,6 +6,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset, get_worker_info
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.tools.logging import logger
 
@@ -18,8 +19,14 @@ class PackedDocumentDataset(IterableDataset, Stateful):
     """Documents encoded as BOS + text + EOS, concatenated, and cut into rows of seq_len + 1.
 
     Rank r reads documents r, r + dp_world_size, ... so ranks see disjoint documents. Each row
-    yields ({"input": row[:-1]}, row[1:]). In infinite mode the tokens left at the end of an epoch
-    carry into the next one; a finite pass drops its last partial row, as torchtitan does.
+    yields ({"input": row[:-1]}, row[1:]). With a tokenizer that has no BOS (e.g. Qwen's) a
+    document is text + EOS, and the label of each EOS input is IGNORE_INDEX instead: it would be
+    the next document's first token, which document masking keeps out of the EOS's context.
+    The model splits documents at every EOS id in the input, so a document whose text encodes
+    to EOS is split there; the first such document is logged.
+
+    In infinite mode the tokens left at the end of an epoch carry into the next one; a finite
+    pass drops its last partial row, as torchtitan does.
     Documents are tokenized one at a time, only when the buffer runs short of a row. Empty
     (blank) documents are skipped and counted in the log. A document longer than a row
     continues in the next row(s); each row starts a new attention segment.
@@ -53,6 +60,8 @@ class PackedDocumentDataset(IterableDataset, Stateful):
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
         self.infinite = infinite
+        self._mask_eos_labels = getattr(tokenizer, "bos_id", None) is None
+        self._warned_eos_in_text = False
         self._epoch = 0
         self._documents_read = 0
         self._token_buffer: list[int] = []
@@ -76,7 +85,11 @@ class PackedDocumentDataset(IterableDataset, Stateful):
                     # BOS + EOS alone teaches nothing but "end right after the start".
                     empty += 1
                     continue
-                tokens = self.tokenizer.encode(text, add_bos=True, add_eos=True)[self._skip :]
+                tokens = self.tokenizer.encode(text, add_bos=True, add_eos=True)
+                # One scan per document; the EOS the tokenizer appended does not count.
+                if tokens.count(self.tokenizer.eos_id) > 1 and not self._warned_eos_in_text:
+                    self._warn_eos_in_text(first + (self._documents_read - 1) * stride)
+                tokens = tokens[self._skip :]
                 document = [self._epoch, self._documents_read - 1, self._skip, len(tokens)]
                 self._buffered_documents.append(document)
                 self._token_buffer.extend(tokens)
@@ -91,6 +104,18 @@ class PackedDocumentDataset(IterableDataset, Stateful):
                 self._token_buffer, self._buffered_documents = [], []
                 return
             self._log_new_epoch()
+
+    def _warn_eos_in_text(self, index: int) -> None:
+        """Once per dataset: text that encodes to EOS (e.g. a literal end-of-text marker in
+        scraped pages) silently cuts its document in two, since boundaries come from EOS ids."""
+        self._warned_eos_in_text = True
+        eos = getattr(self.tokenizer, "eos_token", None) or f"id {self.tokenizer.eos_id}"
+        logger.warning(
+            f"{self.source.description}: the text of document {index} encodes to the EOS token "
+            f"{eos!r}, so the document is split into separate documents there: attention and "
+            "the GDN state reset at that point. Remove that text from the documents, or use a "
+            "tokenizer whose EOS does not occur in them (later occurrences are not logged)"
+        )
 
     def _log_new_epoch(self) -> None:
         """The first time the data repeats, at info level; later epochs at debug level: a small
@@ -135,7 +160,10 @@ class PackedDocumentDataset(IterableDataset, Stateful):
             row = torch.tensor(self._token_buffer[self._buffer_start : row_end], dtype=torch.long)
             self._buffer_start = row_end
             self._consume(row_len)
-            yield {"input": row[:-1]}, row[1:]
+            inputs, labels = row[:-1], row[1:]
+            if self._mask_eos_labels:
+                labels = labels.masked_fill(inputs == self.tokenizer.eos_id, IGNORE_INDEX)
+            yield {"input": inputs}, labels
         del self._token_buffer[: self._buffer_start]
         self._buffer_start = 0
 
@@ -153,8 +181,10 @@ class PackedDocumentDataset(IterableDataset, Stateful):
     def state_dict(self) -> dict[str, Any]:
         if self._buffered_documents:  # resume inside the oldest buffered document
             epoch, index, skip, _ = self._buffered_documents[0]
-        else:  # nothing buffered: the next document
-            epoch, index, skip = self._epoch, self._documents_read, 0
+        else:  # nothing buffered: the next document, less what a restored state consumed
+            # A dataloader worker may checkpoint again before it reads a document after a
+            # resume; reporting 0 there would replay the restored document from its start.
+            epoch, index, skip = self._epoch, self._documents_read, self._skip
         return {"source": self.source.description, "epoch": epoch, "document": index, "skip": skip}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

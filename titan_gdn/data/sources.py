@@ -114,8 +114,19 @@ class HFLocalSource:
         self.description = f"hf_local:{path}"
 
     def iter_documents(self, first: int, stride: int) -> Iterator[str]:
-        shard = self.dataset.select(range(first, len(self.dataset), stride))
-        return (row[TEXT_FIELD] for row in shard)
+        indices = range(first, len(self.dataset), stride)
+        shard = self.dataset.select(indices)
+        return (self._text(index, row) for index, row in zip(indices, shard, strict=True))
+
+    def _text(self, index: int, row: dict) -> str:
+        # Arrow columns are nullable: a null would otherwise fail later, naming no row.
+        text = row[TEXT_FIELD]
+        if not isinstance(text, str):
+            got = "null" if text is None else type(text).__name__
+            raise ValueError(
+                f'{self.description} row {index}: "{TEXT_FIELD}" must be a string, got {got}'
+            )
+        return text
 
 
 def build_document_source(
