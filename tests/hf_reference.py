@@ -10,6 +10,18 @@ from tests.conftest import perturb_norms_and_gates
 from titan_gdn.tiny_hf_checkpoint import TINY_SHAPE
 
 
+def hf_import_arguments(folder) -> tuple[str, ...]:
+    """The trainer's arguments that build the model from an HF folder's config.json and start
+    from its weights."""
+    return (
+        "--model.flavor", "from_hf_config",
+        "--model.hf_assets_path", str(folder),
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path", str(folder),
+    )  # fmt: skip
+
+
 def tiny_hf_config(tied: bool, **overrides) -> dict:
     """The tiny checkpoint's shape (`titan_gdn.tiny_hf_checkpoint`), with a small vocabulary."""
     config = dict(TINY_SHAPE, vocab_size=211, rms_norm_eps=1e-6, tie_word_embeddings=tied)

@@ -90,14 +90,28 @@ def test_router_gradient_follows_the_aux_loss(hf_modules, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_adapter_round_trip_is_exact(hf_modules, family):
+def test_adapter_round_trip_is_exact(hf_modules, family, tmp_path):
+    """transformers' fused experts in memory and its per-expert save_pretrained files both
+    import; the export is the fused layout for Qwen3.5 MoE and transformers' files for
+    Qwen3-Next, or, given a checkpoint folder, that checkpoint's layout."""
+    from safetensors.torch import load_file
+
     hf_model, ours = _pair(hf_modules, family, seed=3)
     hf_sd = hf_model.state_dict()
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    saved = load_file(tmp_path / "model.safetensors")
     adapter = Adapter(ours.model_args, None)
-    back = adapter.to_hf(adapter.from_hf(hf_sd))
-    assert set(back) == set(hf_sd)
-    for key, value in hf_sd.items():
-        assert torch.equal(back[key], value), key
+    ours_sd, from_saved = adapter.from_hf(hf_sd), adapter.from_hf(saved)
+    assert set(from_saved) == set(ours_sd)
+    assert all(torch.equal(from_saved[key], value) for key, value in ours_sd.items())
+    following = Adapter(ours.model_args, str(tmp_path))
+    for back, expected in (
+        (adapter.to_hf(ours_sd), saved if family == "qwen3_next" else hf_sd),
+        (following.to_hf(ours_sd), saved),
+    ):
+        assert set(back) == set(expected)
+        for key, value in expected.items():
+            assert torch.equal(back[key], value), key
 
 
 def test_qwen3_next_projections_keep_each_head_group(hf_modules):

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 CONFIG_JSON = "config.json"
+HF_INDEX = "model.safetensors.index.json"
 
 DENSE, MOE, NEXT = "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"
 # A model type (the multimodal wrappers' too) -> the text model family it holds.
@@ -86,14 +87,17 @@ def args_fields(config: dict[str, Any]) -> dict[str, Any]:
     text = config.get("text_config", config)
     model_type = _model_family(text.get("model_type") or config.get("model_type"))
     required, optional = _HF_FIELDS[model_type]
+    _check_unscaled_rope(text, "text_config." if "text_config" in config else "")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     args = {ours: text[theirs] for ours, theirs in required.items()}
     args.update({ours: text[theirs] for ours, theirs in optional.items() if theirs in text})
     for name in ("rope_theta", "partial_rotary_factor"):
         if name in rope or name in text:
             args[name] = rope.get(name, text.get(name))
-    args["enable_weight_tying"] = text.get(
-        "tie_word_embeddings", config.get("tie_word_embeddings", False)
+    # A multimodal model ties by its top-level setting, whatever its text_config says, as
+    # transformers' ForConditionalGeneration does.
+    args["enable_weight_tying"] = config.get(
+        "tie_word_embeddings", text.get("tie_word_embeddings", False)
     )
     if text.get("layer_types"):
         args["layer_types"] = list(text["layer_types"])
@@ -120,6 +124,31 @@ def config_fields(args) -> dict[str, Any]:
         hidden_act="silu",
         attention_bias=False,
     )
+
+
+# transformers' rope types that rotate by the plain RoPE frequencies: "default" (Qwen3.5's
+# multimodal text_config adds mrope_section / mrope_interleaved to it, for image positions;
+# text positions rotate as plain RoPE).
+_UNSCALED_ROPE = ("default",)
+
+
+def _check_unscaled_rope(text: dict[str, Any], prefix: str) -> None:
+    """The model rotates by unscaled RoPE (rope_theta, partial_rotary_factor) only: a scaled
+    rope type (YaRN, linear, dynamic, ...) would be read, trained without its scaling and left
+    out of the export. `rope_scaling` is the field's name before transformers 5; `type` the
+    key's, as transformers still reads them."""
+    for field in ("rope_parameters", "rope_scaling"):
+        rope = text.get(field)
+        if not isinstance(rope, dict):
+            continue
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type not in _UNSCALED_ROPE:
+            raise ValueError(
+                f"config.json {prefix}{field}.rope_type = {rope_type!r}: titan_gdn supports only "
+                'unscaled RoPE (rope_type "default"), and would train and export this model '
+                'without its scaling; use a config.json with rope_type "default" (the model\'s '
+                "pre-training RoPE)"
+            )
 
 
 def _model_family(model_type: str | None) -> str:

@@ -2,7 +2,12 @@
 and back.
 
 The MoE keys (`mlp.gate.weight`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`,
-`mlp.shared_expert.*`, `mlp.shared_expert_gate.weight`) are this model's names as they are.
+`mlp.shared_expert.*`, `mlp.shared_expert_gate.weight`) are this model's names as they are, but
+the routed experts come in two layouts: fused as above (transformers' modules in memory) or one
+matrix per expert, `mlp.experts.{e}.{gate,up,down}_proj.weight`, which is what transformers'
+`save_pretrained` writes and what the Hub's Qwen3-Next checkpoints hold. `from_hf` takes both.
+`to_hf` writes the one the checkpoint in `hf_assets_path` holds. If there is none, it writes the
+per-expert layout for Qwen3-Next and the fused one for Qwen3.5 MoE.
 Qwen3-Next stores each GDN layer's input projections fused and interleaved per key-head group;
 they are first rearranged into Qwen3.5's four projections (and back on export), so the Qwen3.5
 mapping then applies unchanged.
@@ -14,18 +19,26 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from titan_gdn.model.args import Qwen35ModelArgs
-from titan_gdn.model.hf_config import CONFIG_JSON, NEXT, read_config_json
+from titan_gdn.model.hf_config import CONFIG_JSON, HF_INDEX, NEXT, read_config_json
 
 TEXT_PREFIX = "model."
 MULTIMODAL_PREFIX = "model.language_model."
 # Parts of a multimodal checkpoint that the text model does not have.
 NOT_TEXT = re.compile(r"^(model\.visual\.|visual\.|mtp\.)")
+# The export's file for those tensors, copied from the source.
+UNTRAINED_FILE = "model-not-trained.safetensors"
 
 # Files of an HF checkpoint folder, besides weights and config, that users of an export need.
 _HF_SIDE_FILES = (
@@ -52,6 +65,11 @@ class Qwen35StateDictAdapter(StateDictAdapter):
         super().__init__(model_args, hf_assets_path)
         self.model_args = model_args
         self.prefix = _checkpoint_prefix(hf_assets_path)
+        # torchtitan's HF load reads exactly the keys `to_hf` returns, so they must be the
+        # ones on disk.
+        self.per_expert = _per_expert_layout(model_args, hf_assets_path)
+        # {fused HF key: how its DTensor is sharded}, from `to_hf`, for `from_hf` to rebuild it.
+        self._expert_shards: dict[str, _ExpertShard] = {}
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         hf = {}
@@ -67,9 +85,12 @@ class Qwen35StateDictAdapter(StateDictAdapter):
                 hf[self.prefix + key] = value
         if self.model_args.hf_model_type == NEXT:
             hf = fuse_qwen3_next_projections(hf, self.model_args)
+        if self.per_expert:
+            hf = self._split_experts(hf)
         return hf
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        hf_state_dict = self._stack_experts(hf_state_dict)
         if self.model_args.hf_model_type == NEXT:
             hf_state_dict = split_qwen3_next_projections(hf_state_dict, self.model_args)
         ours = {}
@@ -97,8 +118,11 @@ class Qwen35StateDictAdapter(StateDictAdapter):
         torchtitan's `checkpoint.last_save_in_hf` writes only the weights and their index.
         This adds `config.json` (these model args; a multimodal `config.json` from
         `hf_assets_path` is kept as is, since the weights follow its layout) with `dtype` set to
-        the export dtype, and copies the tokenizer files from `hf_assets_path`.
+        the export dtype, and copies the tokenizer files from `hf_assets_path`, and the
+        source's tensors this model does not train (a vision tower, MTP heads), so that the
+        config.json the export keeps describes weights that are all there.
         """
+        self._copy_untrained_tensors(folder)
         source = read_config_json(self.hf_assets_path) or {}
         if self.prefix == MULTIMODAL_PREFIX:
             config = dict(source)
@@ -113,6 +137,166 @@ class Qwen35StateDictAdapter(StateDictAdapter):
             path = os.path.join(self.hf_assets_path or "", name)
             if self.hf_assets_path and os.path.isfile(path):
                 shutil.copyfile(path, os.path.join(folder, name))
+
+    def _copy_untrained_tensors(self, folder: str) -> None:
+        """The source's vision and MTP tensors (NOT_TEXT), as stored, into one more file of the
+        export, listed in its index. Without them transformers would initialise a vision tower
+        at random when loading the export of a multimodal checkpoint."""
+        if not self.hf_assets_path:
+            return
+        tensors = {}
+        for path in sorted(Path(self.hf_assets_path).glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as weights:
+                for name in weights.keys():
+                    if NOT_TEXT.match(name):
+                        tensors[name] = weights.get_tensor(name)
+        if not tensors:
+            return
+        save_file(tensors, os.path.join(folder, UNTRAINED_FILE), metadata={"format": "pt"})
+        index_path = os.path.join(folder, HF_INDEX)
+        with open(index_path) as f:
+            index = json.load(f)
+        index["weight_map"].update(dict.fromkeys(tensors, UNTRAINED_FILE))
+        with open(index_path, "w") as f:
+            json.dump(index, f, indent=2)
+
+    def _split_experts(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """Fused expert weights -> one matrix per expert and projection, for this rank's
+        experts only (views where the rows are not sharded): torchtitan's HF load reads each
+        one in place, so no rank gathers the experts of the others."""
+        out = {}
+        for key, value in hf.items():
+            match = _FUSED_EXPERT.search(key)
+            if match is None:
+                out[key] = value
+                continue
+            stem = key[: match.start(1)]
+            first, local = self._local_experts(key, value)
+            for index, weight in enumerate(local):
+                expert = f"{stem}{first + index}."
+                if match.group(1) == "down_proj":
+                    out[f"{expert}down_proj.weight"] = weight
+                else:
+                    # Per expert, transformers' gate_up_proj rows are its gate, then its up.
+                    gate, up = weight.chunk(2)
+                    out[f"{expert}gate_proj.weight"], out[f"{expert}up_proj.weight"] = gate, up
+        return out
+
+    def _local_experts(self, key: str, value) -> tuple[int, Any]:
+        """(first expert, [this rank's experts, rows, columns]) of a fused expert weight. A
+        DTensor keeps its sharding over experts (expert parallel, FSDP over experts); a
+        sharding of rows (FSDP where the ranks outnumber the experts) is gathered for the
+        experts of this rank, since a per-expert matrix cannot be split across gate and up."""
+        if not isinstance(value, DTensor):
+            return 0, value
+        mesh, placements = value.device_mesh, tuple(value.placements)
+        whole_rows = tuple(p if _shards_experts(p) else Replicate() for p in placements)
+        local = value if whole_rows == placements else value.redistribute(mesh, whole_rows)
+        local = local.to_local()
+        _, offset = compute_local_shape_and_global_offset(value.shape, mesh, whole_rows)
+        # torchtitan's expert sharding (Shard, or StridedShard then Shard, over experts) leaves
+        # each rank a contiguous run of experts, as its own MoE adapters assume.
+        self._expert_shards[key] = _ExpertShard(
+            mesh, placements, whole_rows, value.shape, range(offset[0], offset[0] + len(local))
+        )
+        return offset[0], local
+
+    def _stack_experts(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """Per-expert matrices -> the fused weights (other keys as they are)."""
+        out, experts = {}, {}
+        for key, value in hf.items():
+            match = _PER_EXPERT.match(key)
+            if match is None or NOT_TEXT.match(key):  # MTP experts: not loaded
+                out[key] = value
+            else:
+                stem, expert, projection = match.groups()
+                experts.setdefault(stem, {}).setdefault(projection, {})[int(expert)] = value
+        for stem, projections in experts.items():
+            for fused, parts in _FUSED_PARTS.items():
+                key = f"{stem}{fused}"
+                shard = self._expert_shards.get(key)
+                wanted = shard.experts if shard else range(self.model_args.num_experts)
+                stacked = [self._expert_stack(key, projections.get(p, {}), wanted) for p in parts]
+                out[key] = _sharded_like(shard, torch.cat(stacked, dim=1))
+        return out
+
+    @staticmethod
+    def _expert_stack(key: str, weights: dict[int, Any], wanted: range):
+        missing = [expert for expert in wanted if expert not in weights]
+        if missing or len(weights) != len(wanted):
+            raise KeyError(
+                f"{key}: the per-expert weights are experts {sorted(weights)}, expected "
+                f"{wanted.start} to {wanted.stop - 1} (num_experts in config.json)"
+            )
+        return torch.stack([weights[expert] for expert in wanted])
+
+
+# Routed experts: this model's (and transformers' in-memory) fused weights, and the per-expert
+# matrices of a checkpoint on disk; each fused weight is its parts concatenated along dim 1.
+_FUSED_EXPERT = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+class _ExpertShard:
+    """How a fused expert DTensor was sharded: `placements` on `mesh`, `whole_rows` the same
+    with only the expert dim sharded, `experts` the global indices of this rank's experts."""
+
+    def __init__(self, mesh, placements, whole_rows, shape, experts: range):
+        self.mesh, self.placements, self.whole_rows = mesh, placements, whole_rows
+        self.shape, self.experts = shape, experts
+
+
+def _shards_experts(placement) -> bool:
+    return isinstance(placement, (Shard, _StridedShard)) and placement.dim == 0
+
+
+def _sharded_like(shard: _ExpertShard | None, local):
+    """This rank's stacked experts as the DTensor `to_hf` split (a plain tensor unsharded)."""
+    if shard is None:
+        return local
+    stride = torch.empty(shard.shape, device="meta").stride()
+    whole = DTensor.from_local(
+        local, shard.mesh, shard.whole_rows, run_check=False, shape=shard.shape, stride=stride
+    )
+    if shard.whole_rows == shard.placements:
+        return whole
+    return whole.redistribute(shard.mesh, shard.placements)
+
+
+def _per_expert_layout(args: Qwen35ModelArgs, hf_assets_path: str | None) -> bool:
+    """Whether `to_hf` writes one matrix per expert: as the checkpoint in `hf_assets_path`
+    stores its experts, else as transformers saves Qwen3-Next (and the Hub holds it); Qwen3.5
+    MoE keeps the fused layout this adapter has always written for it."""
+    if args.num_experts == 0:
+        return False
+    for name in _stored_names(hf_assets_path):
+        if NOT_TEXT.match(name):
+            continue
+        if _PER_EXPERT.match(name):
+            return True
+        if _FUSED_EXPERT.search(name):
+            return False
+    return args.hf_model_type == NEXT
+
+
+def _stored_names(folder: str | os.PathLike | None) -> list[str]:
+    """The tensor names of an HF checkpoint folder, from its index or else the safetensors
+    headers (no weight read); none for a folder without (readable) weights, whose damage the
+    config check and the import report."""
+    if not folder or not os.path.isdir(folder):
+        return []
+    index = Path(folder) / HF_INDEX
+    try:
+        if index.is_file():
+            return list(json.loads(index.read_text())["weight_map"])
+        names = []
+        for path in sorted(Path(folder).glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as weights:
+                names += list(weights.keys())
+        return names
+    except Exception:  # a truncated file, a broken index: errors of several libraries
+        return []
 
 
 # transformers keeps one matrix per projection; a titan_gdn mixer has one matrix for what its
