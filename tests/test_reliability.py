@@ -659,7 +659,7 @@ def test_an_hf_import_that_would_leave_tensors_out_is_refused(hf_qwen3_5, tmp_pa
     reads the tensors the model asks for and never looks at the others."""
     from safetensors.torch import load_file, save_file
 
-    from tests.hf_reference import random_hf_model, tiny_hf_config
+    from tests.hf_reference import hf_import_arguments, random_hf_model, tiny_hf_config
     from titan_gdn.validation import validate_job_config
 
     source = tmp_path / "hf"
@@ -668,11 +668,7 @@ def test_an_hf_import_that_would_leave_tensors_out_is_refused(hf_qwen3_5, tmp_pa
     shutil.copytree(TOKENIZER, source, dirs_exist_ok=True)
     job_config = _job_config(
         "--job.dump_folder", str(tmp_path / "run"),
-        "--model.flavor", "from_hf_config",
-        "--model.hf_assets_path", str(source),
-        "--checkpoint.enable",
-        "--checkpoint.initial_load_in_hf",
-        "--checkpoint.initial_load_path", str(source),
+        *hf_import_arguments(source),
     )  # fmt: skip
     validate_job_config(job_config, world_size=1)  # the checkpoint's own config.json
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import relative_error
-from tests.hf_reference import random_hf_model, tiny_hf_config
+from tests.hf_reference import hf_import_arguments, random_hf_model, tiny_hf_config
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "assets" / "tokenizer"
@@ -333,11 +333,7 @@ def test_hf_checkpoint_imports_trains_and_exports_for_transformers(hf_qwen3_5, t
     # safetensors; two identical deterministic runs end in an HF export and in a DCP checkpoint.
     seq_len, batch, steps = 128, 2, 2
     common = (
-        "--model.flavor", "from_hf_config",
-        "--model.hf_assets_path", str(source),
-        "--checkpoint.enable",
-        "--checkpoint.initial_load_in_hf",
-        "--checkpoint.initial_load_path", str(source),
+        *hf_import_arguments(source),
         "--checkpoint.last_save_model_only",
         "--training.steps", str(steps),
         "--debug.seed", "5",

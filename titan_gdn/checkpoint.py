@@ -8,7 +8,8 @@ and trains on other weights. So every save records a CRC-32 of each of its data 
 folder against it first (`checkpoint_damage`); a damaged checkpoint is skipped for the newest one
 before it that is intact, with a line saying so (`VerifiedCheckpointManager`, torchtitan's
 CheckpointManager with both; it also says when a resume continues on another learning-rate
-schedule, `schedule_change`). A folder without `checksums.json` (written by torchtitan itself)
+schedule, `schedule_change`, or keeps the checkpoint's rate over a new optimizer.lr,
+`base_rate_change`). A folder without `checksums.json` (written by torchtitan itself)
 still has its files checked against the sizes its `.metadata` records.
 """
 
@@ -187,9 +188,44 @@ def schedule_change(schedulers) -> str | None:
     )
 
 
+def base_rates(schedulers) -> list[float]:
+    """The schedule's base learning rates, one per parameter group: optimizer.lr until a
+    checkpoint's scheduler state replaces them."""
+    return list(schedulers.schedulers[0].base_lrs)
+
+
+def base_rate_change(schedulers, configured: list[float]) -> str | None:
+    """What a resume keeps when optimizer.lr changed since the checkpoint, else None.
+
+    The checkpoint's scheduler state holds its base rate, and torchtitan restores it over the
+    configured one (LambdaLR.load_state_dict): a resume with a new optimizer.lr trains at the
+    old rate. That is kept, since the optimizer's state was shaped by it; the log says so."""
+    scheduler = schedulers.schedulers[0]
+    step = scheduler.last_epoch
+    restored = list(scheduler.base_lrs)
+    if step == 0 or len(restored) != len(configured):
+        return None  # nothing restored: a fresh or a model-only start
+    changed = [
+        (saved, wanted)
+        for saved, wanted in zip(restored, configured, strict=True)
+        if not math.isclose(saved, wanted, rel_tol=1e-6)
+    ]
+    if not changed:
+        return None
+    saved, wanted = changed[0]
+    return (
+        f"optimizer.lr = {wanted:.4g} differs from the learning rate the checkpoint of step "
+        f"{step} was trained with, {saved:.4g}: the resumed run keeps the checkpoint's "
+        f"{saved:.4g} (its schedule state holds the base rate, as torchtitan restores it), and "
+        f"optimizer.lr is not used. Set optimizer.lr = {saved:.4g} to match, or, to train at "
+        f"{wanted:.4g}, start a new run (a new job.dump_folder) from these weights with "
+        "checkpoint.initial_load_path"
+    )
+
+
 class VerifiedCheckpointManager(CheckpointManager):
     """torchtitan's CheckpointManager that saves with checksums and resumes from the newest
-    intact checkpoint, saying so when the learning-rate schedule changed."""
+    intact checkpoint, saying so when the learning-rate schedule or its base rate changed."""
 
     def dcp_save(
         self,
@@ -229,10 +265,16 @@ class VerifiedCheckpointManager(CheckpointManager):
     def load(self, step: int = -1) -> bool:
         if self.enable:
             self._refuse_damaged(step)
+        configured = base_rates(self.states[LR_SCHEDULER])
         loaded = super().load(step)
-        change = loaded and schedule_change(self.states[LR_SCHEDULER])
-        if change:
-            logger.warning(change)
+        if loaded:
+            schedulers = self.states[LR_SCHEDULER]
+            for change in (
+                schedule_change(schedulers),
+                base_rate_change(schedulers, configured),
+            ):
+                if change:
+                    logger.warning(change)
         return loaded
 
     def _refuse_damaged(self, step: int) -> None:

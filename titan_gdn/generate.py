@@ -23,6 +23,7 @@ import torch
 from titan_gdn.checkpoint_folders import (
     DCP,
     HF,
+    UnreadableWeightsError,
     dcp_model_keys,
     hf_model_shapes,
     load_model,
@@ -72,16 +73,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+# How the command line names each sampling setting; the trainer's [sample] names them
+# `sample.<field> =` (validation.py), with the same rules (`sampling_problems`).
+CLI_SAMPLING_NAMES = {
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+}
+
+
+def sampling_problems(
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    names: dict[str, str],
+    sample_all: str,
+) -> list[str]:
+    """Sampling settings that would otherwise fail (top_k < 1: an IndexError in `next_token`)
+    or sample the wrong tokens (a negative temperature favours the least likely ones), each
+    named by `names` (field -> how the caller spells it); `sample_all` is how to sample among
+    every token."""
+    problems = []
+    if max_new_tokens < 0:
+        problems.append(f"{names['max_new_tokens']} {max_new_tokens} is negative; pass 0 or more")
+    if temperature < 0:
+        problems.append(
+            f"{names['temperature']} {temperature} is negative; pass 0 (greedy) or a positive value"
+        )
+    if top_k is not None and top_k < 1:
+        problems.append(f"{names['top_k']} {top_k} must be at least 1; {sample_all}")
+    return problems
+
+
 def check_sampling(args: argparse.Namespace) -> None:
     """Reject sampling settings that would otherwise fail or be ignored mid-generation."""
-    if args.max_new_tokens < 0:
-        raise GenerateError(f"--max-new-tokens {args.max_new_tokens} is negative; pass 0 or more")
-    if args.temperature < 0:
-        raise GenerateError(
-            f"--temperature {args.temperature} is negative; pass 0 (greedy) or a positive value"
-        )
-    if args.top_k is not None and args.top_k < 1:
-        raise GenerateError(f"--top-k {args.top_k} must be at least 1; omit it to sample all")
+    problems = sampling_problems(
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        CLI_SAMPLING_NAMES,
+        sample_all="omit it to sample all",
+    )
+    if problems:
+        raise GenerateError(problems[0])
     if args.top_k is not None and args.temperature == 0:
         raise GenerateError(
             "--top-k applies to sampling only; pass --temperature T > 0 with it, or drop --top-k"
@@ -97,7 +131,10 @@ def checkpoint_format(path: Path) -> str:
     )
     if not path.exists():
         raise GenerateError(f"--checkpoint {path} does not exist; {fix}")
-    fmt = step_format(path)
+    try:
+        fmt = step_format(path)
+    except UnreadableWeightsError as problem:
+        raise damaged_hf_folder(path, problem) from None
     if fmt is not None:
         return fmt
     steps = sorted(path.glob("step-*"), key=step_number) if path.is_dir() else []
@@ -109,6 +146,13 @@ def checkpoint_format(path: Path) -> str:
     raise GenerateError(
         f"--checkpoint {path} is neither a DCP step folder (no .metadata) nor a Hugging Face "
         f"folder (config.json + *.safetensors); {fix}"
+    )
+
+
+def damaged_hf_folder(path: Path, problem: UnreadableWeightsError) -> GenerateError:
+    return GenerateError(
+        f"--checkpoint {path} is a damaged Hugging Face folder ({problem}); copy or export it "
+        "again, or pass another checkpoint"
     )
 
 
@@ -304,7 +348,10 @@ def prepare(args: argparse.Namespace):
         check_intact(path)
         found = {ours: meta.size for ours, (_, meta) in dcp_model_keys(path).items()}
     else:
-        found = hf_model_shapes(path, margs)
+        try:
+            found = hf_model_shapes(path, margs)
+        except UnreadableWeightsError as problem:
+            raise damaged_hf_folder(path, problem) from None
     check_shapes(found, margs, args.flavor, path)
     tokenizer = build_tokenizer(tokenizer_path, margs)
     prompt_ids = encode_prompt(tokenizer, args.prompt)

@@ -25,8 +25,10 @@ from torchtitan.tools.logging import logger
 from titan_gdn.checkpoint_folders import (
     DCP_METADATA,
     TRAINING_STATES,
+    UnreadableWeightsError,
     checkpoint_folder,
     checkpoint_steps,
+    safetensors_files,
     safetensors_shapes,
     saved_data_parallel_ranks,
     saved_states,
@@ -68,6 +70,7 @@ def configuration_problems(job_config, world_size: int) -> list[str]:
         *_data_problems(job_config),
         *_checkpoint_problems(job_config, world_size),
         *_fault_policy_problems(job_config),
+        *_sample_problems(job_config),
     ]
 
 
@@ -422,8 +425,24 @@ def _initial_load_problems(job_config, incomplete: list[int]) -> list[str]:
             "*.safetensors weights; point it at the HF model folder"
         ]
     if checkpoint.initial_load_in_hf:
+        damage = _hf_weight_damage(Path(source))
+        if damage:
+            return [
+                f"{setting_name} = {source!r} is a damaged Hugging Face folder ({damage}); copy "
+                f"it again, or point {setting_name} at an intact one"
+            ]
         return _unused_hf_weight_problems(job_config, source, setting_name)
     return []
+
+
+def _hf_weight_damage(folder: Path) -> str | None:
+    """What makes the folder's weights unreadable, None when their headers all read: the import
+    reads every *.safetensors there, and other tools the files the index names."""
+    try:
+        safetensors_shapes(sorted({*safetensors_files(folder), *folder.glob("*.safetensors")}))
+    except UnreadableWeightsError as problem:
+        return str(problem)
+    return None
 
 
 _LAYER_INDEX = re.compile(r"\blayers\.(\d+)\.")
@@ -438,8 +457,17 @@ def _unused_hf_weight_problems(job_config, source: str, setting_name: str) -> li
     except (KeyError, ValueError, FileNotFoundError):
         return []  # reported by the model checks
     stored, requested = _stored_hf_names(Path(source)), _requested_hf_names(args, job_config)
-    if requested - stored:
-        return []  # the import stops naming the missing tensor: another layout, not a subset
+    missing = sorted(requested - stored)
+    if missing:
+        # torchtitan would stop at the first of them only once the model is built and sharded.
+        more = f", ... ({len(missing) - 3} more)" if len(missing) > 3 else ""
+        return [
+            f"{setting_name} = {source!r} lacks {len(missing)} tensor(s) that model.flavor = "
+            f"{job_config.model.flavor!r} needs from an HF import: "
+            f"{', '.join(missing[:3])}{more}; use the checkpoint's own config.json "
+            '(model.flavor = "from_hf_config" with model.hf_assets_path at its folder, whose '
+            "weights also set the layout the import reads)"
+        ]
     if args.enable_weight_tying:
         stored.discard("lm_head.weight")  # tied: the embedding is the output projection
     unused = sorted(stored - requested)
@@ -576,6 +604,28 @@ def _fault_policy_problems(job_config) -> list[str]:
             "first NaN/inf loss)"
         ]
     return []
+
+
+# The sample after training
+
+
+def _sample_problems(job_config) -> list[str]:
+    """[sample] runs after the last step: a top_k below 1 would fail there (an IndexError,
+    after the whole run) and a negative temperature would draw the least likely tokens. The
+    rules are generate's (`sampling_problems`); they matter only when there is a prompt."""
+    if not setting(job_config, "sample", "prompt"):
+        return []
+    from titan_gdn.generate import sampling_problems
+
+    fields = ("max_new_tokens", "temperature", "top_k")
+    values = {name: setting(job_config, "sample", name) for name in fields}
+    # sample.top_k always has a value (50 by default): a large one samples among all tokens.
+    return sampling_problems(
+        **values,
+        names={name: f"sample.{name} =" for name in fields},
+        sample_all='the vocabulary size or more samples among all tokens; sample.prompt = "" '
+        "takes no sample",
+    )
 
 
 # Before the launcher
