@@ -82,6 +82,7 @@ FLOORS = [
             "titan_gdn.boundaries",
             "titan_gdn.model.args",
             "titan_gdn.model.hf_config",
+            "titan_gdn.model.hf_files",
             "titan_gdn.model.job_checks",
             "titan_gdn.model.flops",
             "titan_gdn.model.layer_types",

@@ -10,7 +10,6 @@ a Hugging Face export (`checkpoint.last_save_in_hf`: safetensors and their index
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -18,13 +17,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_gdn.model import Qwen35Model, Qwen35ModelArgs, Qwen35StateDictAdapter
 from titan_gdn.model.hf_config import CONFIG_JSON, HF_INDEX
+from titan_gdn.model.hf_files import safetensors_files, safetensors_shapes
 
 DCP, HF = "dcp", "hf"
 DCP_METADATA = ".metadata"
@@ -34,12 +33,6 @@ DCP_METADATA = ".metadata"
 TRAINING_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
 _MODEL_PREFIX = "model."
 _STEP_FOLDER = re.compile(r"step-(\d+)")
-
-
-class UnreadableWeightsError(ValueError):
-    """An HF folder's weights that cannot be read: a file its index names is missing, a file is
-    cut short or not safetensors, or the index is not JSON. The message names the file; the
-    caller adds the setting that pointed at the folder."""
 
 
 # A job's step folders
@@ -91,41 +84,6 @@ def step_format(path: Path) -> str | None:
     if path.is_dir() and (path / CONFIG_JSON).is_file() and safetensors_files(path):
         return HF
     return None
-
-
-def safetensors_files(folder: Path) -> list[Path]:
-    """The weight files of an HF folder: those its index names, else the top-level ones
-    (torchtitan's export also leaves per-rank shards in a `sharded/` subfolder)."""
-    index = folder / HF_INDEX
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise UnreadableWeightsError(
-                f"{HF_INDEX} is not a safetensors index ({type(error).__name__}: {error})"
-            ) from None
-        return [folder / name for name in names]
-    return sorted(folder.glob("*.safetensors"))
-
-
-def safetensors_shapes(files) -> dict[str, list[int]]:
-    """Every tensor's name and shape in safetensors `files`, from their headers alone. A file
-    that is missing or damaged raises UnreadableWeightsError, not safetensors' own error: the
-    header check also finds a file cut short (its data shorter than the header says)."""
-    shapes = {}
-    for path in map(Path, files):
-        try:
-            with safe_open(str(path), framework="pt") as weights:
-                for key in weights.keys():
-                    shapes[key] = weights.get_slice(key).get_shape()
-        except FileNotFoundError:
-            named = f", which {HF_INDEX} names," if (path.parent / HF_INDEX).is_file() else ""
-            raise UnreadableWeightsError(f"{path.name}{named} is missing") from None
-        except (SafetensorError, OSError) as error:
-            raise UnreadableWeightsError(
-                f"{path.name} cannot be read ({error}): it is cut short or not a safetensors file"
-            ) from None
-    return shapes
 
 
 def saved_states(folder: Path) -> set[str] | None:

@@ -23,7 +23,6 @@ import torch
 from titan_gdn.checkpoint_folders import (
     DCP,
     HF,
-    UnreadableWeightsError,
     dcp_model_keys,
     hf_model_shapes,
     load_model,
@@ -33,6 +32,7 @@ from titan_gdn.checkpoint_folders import (
 from titan_gdn.model import Qwen35Model, Qwen35ModelArgs, qwen3_5_args
 from titan_gdn.model.flavors import FROM_HF_CONFIG
 from titan_gdn.model.hf_config import CONFIG_JSON, read_config_json
+from titan_gdn.model.hf_files import UnreadableWeightsError
 from titan_gdn.model.job_checks import tokenizer_id_bound
 
 DEFAULT_FLAVOR = "debugmodel"

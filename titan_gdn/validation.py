@@ -25,16 +25,18 @@ from torchtitan.tools.logging import logger
 from titan_gdn.checkpoint_folders import (
     DCP_METADATA,
     TRAINING_STATES,
-    UnreadableWeightsError,
     checkpoint_folder,
     checkpoint_steps,
-    safetensors_files,
-    safetensors_shapes,
     saved_data_parallel_ranks,
     saved_states,
     step_folder,
 )
 from titan_gdn.job_config import setting
+from titan_gdn.model.hf_files import (
+    UnreadableWeightsError,
+    safetensors_files,
+    safetensors_shapes,
+)
 
 _ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 

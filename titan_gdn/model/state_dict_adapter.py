@@ -32,6 +32,7 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from titan_gdn.model.args import Qwen35ModelArgs
 from titan_gdn.model.hf_config import CONFIG_JSON, HF_INDEX, NEXT, read_config_json
+from titan_gdn.model.hf_files import UnreadableWeightsError, safetensors_files, safetensors_shapes
 
 TEXT_PREFIX = "model."
 MULTIMODAL_PREFIX = "model.language_model."
@@ -281,21 +282,14 @@ def _per_expert_layout(args: Qwen35ModelArgs, hf_assets_path: str | None) -> boo
 
 
 def _stored_names(folder: str | os.PathLike | None) -> list[str]:
-    """The tensor names of an HF checkpoint folder, from its index or else the safetensors
-    headers (no weight read); none for a folder without (readable) weights, whose damage the
-    config check and the import report."""
+    """The tensor names of an HF checkpoint folder, from the safetensors headers (no weight
+    read); none for a folder without (readable) weights, whose damage the config check and the
+    import report."""
     if not folder or not os.path.isdir(folder):
         return []
-    index = Path(folder) / HF_INDEX
     try:
-        if index.is_file():
-            return list(json.loads(index.read_text())["weight_map"])
-        names = []
-        for path in sorted(Path(folder).glob("*.safetensors")):
-            with safe_open(str(path), framework="pt") as weights:
-                names += list(weights.keys())
-        return names
-    except Exception:  # a truncated file, a broken index: errors of several libraries
+        return list(safetensors_shapes(safetensors_files(folder)))
+    except UnreadableWeightsError:
         return []
 
 
