@@ -166,6 +166,7 @@ def test_missing_checkpoint_fails_in_one_line():
         ("empty folder", "is neither a DCP step folder (no .metadata) nor a Hugging Face folder"),
         ("checkpoint folder", "holds checkpoint steps, not one step; pass one of them, e.g."),
         ("flavor mismatch", "--flavor 0.8B does not match --checkpoint"),
+        ("too long", "plus --max-new-tokens 10000000 exceeds the model's max_seq_len"),
     ],
 )
 def test_bad_input_fails_before_any_weight_is_read(
@@ -181,6 +182,7 @@ def test_bad_input_fails_before_any_weight_is_read(
         "empty folder": (tmp_path, ()),
         "checkpoint folder": (checkpoints[20].parent, ()),
         "flavor mismatch": (checkpoints[20], ("--flavor", "0.8B")),
+        "too long": (checkpoints[20], ("--max-new-tokens", "10000000")),
     }[case]
     code, out, err = _main(capsys, "--checkpoint", str(checkpoint), "--prompt", PROMPT, *extra)
     assert code == 2 and not out

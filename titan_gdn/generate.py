@@ -105,6 +105,21 @@ def sampling_problems(
     return problems
 
 
+def length_problem(
+    prompt_tokens: int, max_new_tokens: int, max_seq_len: int, names: dict[str, str]
+) -> str | None:
+    """A prompt and continuation longer than the model's max_seq_len (positions it was never
+    set up for), named by `names` (field -> how the caller spells it), or None."""
+    if prompt_tokens + max_new_tokens <= max_seq_len:
+        return None
+    return (
+        f"{names['prompt']} ({prompt_tokens} tokens) plus {names['max_new_tokens']} "
+        f"{max_new_tokens} exceeds the model's max_seq_len {max_seq_len}; lower "
+        f"{names['max_new_tokens']} to at most {max(0, max_seq_len - prompt_tokens)} or "
+        f"shorten {names['prompt']}"
+    )
+
+
 def check_sampling(args: argparse.Namespace) -> None:
     """Reject sampling settings that would otherwise fail or be ignored mid-generation."""
     problems = sampling_problems(
@@ -355,11 +370,10 @@ def prepare(args: argparse.Namespace):
     check_shapes(found, margs, args.flavor, path)
     tokenizer = build_tokenizer(tokenizer_path, margs)
     prompt_ids = encode_prompt(tokenizer, args.prompt)
-    if len(prompt_ids) + args.max_new_tokens > margs.max_seq_len:
-        raise GenerateError(
-            f"--prompt ({len(prompt_ids)} tokens) plus --max-new-tokens {args.max_new_tokens} "
-            f"exceeds the model's max_seq_len {margs.max_seq_len}; ask for fewer tokens"
-        )
+    names = {"prompt": "--prompt", **CLI_SAMPLING_NAMES}
+    problem = length_problem(len(prompt_ids), args.max_new_tokens, margs.max_seq_len, names)
+    if problem:
+        raise GenerateError(problem)
     return path, fmt, margs, tokenizer, prompt_ids
 
 

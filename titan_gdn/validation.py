@@ -257,6 +257,7 @@ def _model_problems(job_config, world_size: int = 1) -> list[str]:
         )
     if args is not None:
         problems += job_config_problems(args, job_config, tokenizer)
+        problems += _sample_length_problems(job_config, args, tokenizer)
         problems += _backend_problems(args)
         parallelism = job_config.parallelism
         problems += layout_problems(args, **context_parallel_split(job_config))
@@ -264,6 +265,23 @@ def _model_problems(job_config, world_size: int = 1) -> list[str]:
         problems += expert_parallel_problems(args, parallelism.expert_parallel_degree, shard_x_cp)
         problems += cudagraph_problems(job_config, world_size, moe=bool(args.moe_layers))
     return problems
+
+
+def _sample_length_problems(job_config, args, tokenizer) -> list[str]:
+    """[sample] as `generate` would refuse it: a prompt and continuation past max_seq_len."""
+    prompt = setting(job_config, "sample", "prompt")
+    new_tokens = setting(job_config, "sample", "max_new_tokens")
+    if not prompt or tokenizer is None or new_tokens is None or new_tokens < 0:
+        return []  # no sample, or a problem reported on its own
+    from titan_gdn.generate import encode_prompt, length_problem
+
+    names = {"prompt": "sample.prompt", "max_new_tokens": "sample.max_new_tokens"}
+    problem = length_problem(
+        len(encode_prompt(tokenizer, prompt)), new_tokens, args.max_seq_len, names
+    )
+    if problem is None:
+        return []
+    return [f"{problem}, or raise model.max_seq_len"]
 
 
 def _model_args(job_config):
