@@ -12,6 +12,7 @@ import copy
 import inspect
 import itertools
 import json
+import math
 import os
 import pickle
 import random
@@ -896,6 +897,91 @@ def test_nonfinite_loss_guard_decides_after_the_last_micro_batch():
     assert message.startswith("Training stopped at step 3: the loss is NaN or infinite")
     assert "The last complete checkpoint is run/step-4" in message
     assert "training.skip_nonfinite_loss_steps = N (now 0)" in message
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_nonfinite_gradient_of_a_finite_loss_is_not_applied(fused):
+    """Fused AdamW skips on the device (`found_inf`), and the host learns of it at the next
+    step or `settle`; another implementation is told at once (its gradients dropped)."""
+    from titan_gdn.loss_guard import NonFiniteLossError, NonFiniteLossGuard
+
+    parameters = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    optimizer = torch.optim.AdamW(parameters, lr=0.1, fused=fused, foreach=not fused)
+    guard = NonFiniteLossGuard(max_skips=1, last_checkpoint=lambda: None)
+
+    def step(number: int, bad: bool) -> None:
+        for parameter in parameters:
+            parameter.grad = torch.randn_like(parameter)
+        if bad:
+            parameters[random.randrange(2)].grad.view(-1)[0] = random.choice([math.inf, math.nan])
+        guard.record(torch.tensor(1.0))  # a finite loss
+        guard.after_backward(number, 1, lambda: parameters, [optimizer])
+        optimizer.step()
+
+    step(1, bad=False)
+    before = [p.detach().clone() for p in parameters]
+    moments = {k: v.clone() for k, v in optimizer.state[parameters[0]].items()}
+    step(2, bad=True)
+    guard.settle()  # skipped: 1 in a row is allowed
+    assert guard.skipped_in_a_row == 1
+    assert all(torch.equal(b, p) for b, p in zip(before, parameters, strict=True))
+    assert all(torch.equal(v, optimizer.state[parameters[0]][k]) for k, v in moments.items())
+    step(3, bad=False)
+    guard.settle()
+    assert guard.skipped_in_a_row == 0
+    assert not torch.equal(before[0], parameters[0])
+    assert all(torch.isfinite(p).all() for p in parameters)
+    with pytest.raises(NonFiniteLossError) as error:
+        step(4, bad=True)
+        step(5, bad=True)  # the fused path learns of step 4 here, then of step 5 at settle
+        guard.settle()
+    assert str(error.value).startswith(
+        "Training stopped at step 5: the gradient is NaN or infinite, the loss finite"
+    )
+
+
+@side_by_side
+def test_steps_with_an_infinite_gradient_are_skipped_by_the_fused_optimizer(tmp_path):
+    """Rank 1 alone gets an infinite gradient from a finite loss; no weight takes it, and the
+    run stops before a checkpoint holds the step that stopped it."""
+    dump = tmp_path / "run"
+    run = _launch(
+        dump,
+        *FAULTS,
+        "--training.steps", "6",
+        "--training.skip_nonfinite_loss_steps", "1",
+        "--optimizer.implementation", "fused",
+        "--checkpoint.enable",
+        "--checkpoint.interval", "1",
+        "--checkpoint.no-last-save-model-only",
+        ngpu=2,
+        env={"TITAN_GDN_TEST_INF_GRAD_STEPS": "2,4,5", "TITAN_GDN_TEST_INF_GRAD_RANK": "1"},
+    )  # fmt: skip
+    assert run.code != 0, run.output[-6000:]
+    for step in (2, 4):
+        assert f"Skipped step {step}: NaN or infinite gradient, finite loss" in run.output
+    stop = (
+        "Training stopped at step 5: the gradient is NaN or infinite, the loss finite (an "
+        "overflow in backward) (2 steps in a row), and this step was not applied. The last "
+        f"complete checkpoint is {dump}/checkpoint/step-4"
+    )
+    assert stop in run.output, run.output[-6000:]
+    assert all(run.steps[step][0] != "nan" for step in (2, 4, 5))  # finite losses
+
+    from titan_gdn.checkpoint_folders import checkpoint_steps
+
+    assert checkpoint_steps(dump / "checkpoint") == ([1, 2, 3, 4], [])
+    state = {
+        step: _checkpoint(dump / "checkpoint" / f"step-{step}", tmp_path) for step in range(1, 5)
+    }
+    weights = {step: _tensors(s) for step, s in state.items()}
+    moments = {step: _tensors(s["optimizer"], only="state.") for step, s in state.items()}
+    assert len(weights[1]) > 10 and len(moments[1]) > 10
+    for before, after in ((1, 2), (3, 4)):  # skipped: weights, moments and step counts kept
+        for kept in (weights, moments):
+            assert all(torch.equal(kept[before][k], kept[after][k]) for k in kept[before])
+    assert not all(torch.equal(weights[2][k], weights[3][k]) for k in weights[2])
+    assert all(torch.isfinite(w).all() for s in (weights, moments) for w in s[4].values())
 
 
 @side_by_side

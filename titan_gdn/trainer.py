@@ -151,6 +151,11 @@ class Qwen35Trainer(Trainer):
             self._progress_started = True
             start_progress(self.step - 1)  # train() has already counted this step
         super().train_step(data_iterator)
+        last_step = self.step == self.job_config.training.steps
+        if last_step or self.checkpointer._should_save(self.step, last_step):
+            # A step the optimizer skipped for its gradient is known here at the latest: no
+            # checkpoint is written after a step that stops the run.
+            self.loss_guard.settle()
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
         self._global_valid_tokens = global_valid_tokens
@@ -165,6 +170,7 @@ class Qwen35Trainer(Trainer):
             self.step,
             self.gradient_accumulation_steps,
             parameters=lambda: (p for part in self.model_parts for p in part.parameters()),
+            optimizers=getattr(self.optimizers, "optimizers", ()),
         )
         return loss
 
