@@ -233,11 +233,25 @@ def _five_steps_from_one_seed_checkpoint(train_ok, tmp_path) -> tuple[str, ...]:
 def single_process_from_seed(tmp_path_factory):
     """The run the context-parallel runs must reproduce: one process, 5 steps from a seed
     checkpoint (on a CPU mesh sharded init differs by rank count). Returns the arguments that
-    train 5 steps from that seed, the run's logged steps and its losses (TensorBoard, by step)."""
+    train 5 steps from that seed, the run's logged steps and its TensorBoard ({tag: {step:
+    value}})."""
     root = tmp_path_factory.mktemp("from_seed")
     common = _five_steps_from_one_seed_checkpoint(_train_ok, root)
     _, single = _train_ok(root / "cp1", *common)
-    return common, single, _tensorboard(root / "cp1")["loss_metrics/global_avg_loss"]
+    return common, single, _tensorboard(root / "cp1")
+
+
+def _assert_metrics_of_the_single_process_run(sharded: dict, single: dict, steps) -> None:
+    """The losses, and the metrics that count the rows: the max over data-parallel ranks of
+    their loss (one here: the average) and the tokens seen, counted once for all of a row's
+    context-parallel ranks."""
+    for tag in ("loss_metrics/global_avg_loss", "loss_metrics/global_max_loss"):
+        for step in steps:
+            expected = single["loss_metrics/global_avg_loss"][step]
+            assert abs(sharded[tag][step] - expected) <= 1e-4 * expected, (tag, step, sharded)
+    assert {step: sharded["n_tokens_seen"][step] for step in steps} == {
+        step: single["n_tokens_seen"][step] for step in steps
+    }
 
 
 def test_context_parallel_run_gives_the_losses_of_the_single_process_run(
@@ -250,9 +264,9 @@ def test_context_parallel_run_gives_the_losses_of_the_single_process_run(
         tmp_path / "cp2", *common, "--parallelism.context_parallel_degree", "2", ngpu=2
     )
     assert sorted(single) == sorted(sharded) == [1, 2, 3, 4, 5]
-    losses = _tensorboard(tmp_path / "cp2")["loss_metrics/global_avg_loss"]
-    for step, loss in reference.items():
-        assert abs(losses[step] - loss) <= 1e-4 * loss, (step, losses[step], loss)
+    metrics = _tensorboard(tmp_path / "cp2")
+    _assert_metrics_of_the_single_process_run(metrics, reference, range(1, 6))
+    losses = metrics["loss_metrics/global_avg_loss"]
     assert losses[5] < losses[1]
 
 
@@ -263,7 +277,7 @@ def test_eight_rank_context_parallel_run_gives_the_losses_of_the_single_process_
     split 8 ways, so `context_parallel_mode = "auto"` runs heads 4 x states 2 (logged), and the
     losses are cp=1's from one seed checkpoint: the first 3 of its 5 steps, on the same 5-step
     learning-rate schedule (eight processes on two cores are slow)."""
-    common, _, single = single_process_from_seed
+    common, _, reference = single_process_from_seed
     # Eight processes on the CI's two cores: slower to start than the others.
     output, sharded = _train_ok(
         tmp_path / "cp8",
@@ -276,10 +290,7 @@ def test_eight_rank_context_parallel_run_gives_the_losses_of_the_single_process_
     )  # fmt: skip
     assert "Context parallel over 8 ranks: heads 4 x states 2" in output
     assert sorted(sharded) == [1, 2, 3]
-    reference = {step: loss for step, loss in single.items() if step <= 3}
-    losses = _tensorboard(tmp_path / "cp8")["loss_metrics/global_avg_loss"]
-    for step, loss in reference.items():
-        assert abs(losses[step] - loss) <= 1e-4 * loss, (step, losses[step], loss)
+    _assert_metrics_of_the_single_process_run(_tensorboard(tmp_path / "cp8"), reference, (1, 2, 3))
 
 
 def _hf_document_loss(hf_model, inputs, labels, eos_id) -> float:

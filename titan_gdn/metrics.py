@@ -88,6 +88,9 @@ class Qwen35MetricsProcessor(MetricsProcessor):
         # (start time, steps before it) of this process's first step: `start_progress`.
         self.progress_start: tuple[float, int] | None = None
         self.last_logged_step = 0
+        # Under context parallel: the largest data-parallel rank's loss, from the trainer
+        # (`Qwen35Trainer._rows_max_loss`), for this step's line.
+        self.rows_max_loss: float | None = None
 
     def documents_per_step(self) -> float:
         documents, batches = TRAINING_DOCUMENTS.take()
@@ -122,6 +125,9 @@ class Qwen35MetricsProcessor(MetricsProcessor):
         """torchtitan's metrics (``MetricsProcessor.log``) with the documents per step and
         their FLOPs, MFU only where the device's peak is known, and a log line that also says
         how far the run is, how long it has taken and how long it still needs."""
+        global_max_loss, extra_metrics = self._context_parallel_corrected(
+            global_max_loss, extra_metrics
+        )
         flops_per_token = self._documents_flops_per_token(TRAINING_DOCUMENTS)
         documents = self.documents_per_step()
         time_delta = time.perf_counter() - self.time_last_log
@@ -159,6 +165,21 @@ class Qwen35MetricsProcessor(MetricsProcessor):
         self.time_last_log = time.perf_counter()
         self.last_logged_step = step
         self.device_memory_monitor.reset_peak_stats()
+
+    def _context_parallel_corrected(self, max_loss: float, extra: dict | None):
+        """torchtitan counts each rank's tokens on its whole rows, before context parallel
+        splits them: the ranks of one row all count it, so the summed `n_tokens_seen` is cp
+        times the tokens trained, and its max loss divides each rank's part of the loss by the
+        whole rows' tokens (about 1/cp of a loss). Both as the single-GPU run gives them."""
+        cp = self.parallel_dims.cp
+        if cp == 1 or not self.parallel_dims.dp_cp_enabled:
+            return max_loss, extra
+        extra = dict(extra or {})
+        if "n_tokens_seen" in extra:
+            extra["n_tokens_seen"] = extra["n_tokens_seen"] // cp
+        if self.rows_max_loss is not None:
+            max_loss, self.rows_max_loss = self.rows_max_loss, None
+        return max_loss, extra
 
     @property
     def peak_flops_known(self) -> bool:

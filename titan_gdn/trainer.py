@@ -16,6 +16,9 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
@@ -117,6 +120,7 @@ class Qwen35Trainer(Trainer):
         self._write_model_args(QUIET_CONSOLE.model_args_path)
         self._progress_started = False
         self._cudagraphs = setting(job_config, "compile", "cudagraphs")
+        self._loss_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.loss_fn = self._guarded_loss_fn(self.loss_fn)
         self.loss_guard = NonFiniteLossGuard(
             max_skips=setting(job_config, "training", "skip_nonfinite_loss_steps"),
@@ -166,6 +170,7 @@ class Qwen35Trainer(Trainer):
         loss = super().forward_backward_step(
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
+        self._rows_max_loss(loss, labels, global_valid_tokens)
         self.loss_guard.after_backward(
             self.step,
             self.gradient_accumulation_steps,
@@ -173,6 +178,22 @@ class Qwen35Trainer(Trainer):
             optimizers=getattr(self.optimizers, "optimizers", ()),
         )
         return loss
+
+    def _rows_max_loss(self, loss, labels, global_valid_tokens) -> None:
+        """Under context parallel, on a step that is logged: the largest data-parallel rank's
+        loss (its context-parallel ranks' parts summed, over its rows' tokens), which
+        torchtitan's max loss would take per rank part (see `Qwen35MetricsProcessor`)."""
+        if self.parallel_dims.cp == 1 or not self.metrics_processor.should_log(self.step):
+            return
+        self._loss_parts.append((loss.detach(), (labels != IGNORE_INDEX).sum()))
+        if len(self._loss_parts) < self.gradient_accumulation_steps:
+            return
+        losses, tokens = (torch.stack(part).sum() for part in zip(*self._loss_parts, strict=True))
+        self._loss_parts = []
+        rows_loss = losses * global_valid_tokens / tokens  # this rank's part, over its rows
+        rows_loss = funcol.all_reduce(rows_loss, "sum", group=self.parallel_dims.get_mesh("cp"))
+        batch = self.parallel_dims.get_optional_mesh("batch")
+        self.metrics_processor.rows_max_loss = dist_utils.dist_max(rows_loss, batch)
 
     def _guarded_loss_fn(self, loss_fn):
         """`loss_fn`, handing the guard each micro-batch's loss as the trainer scales it (over
