@@ -414,6 +414,67 @@ def test_lengths_torchtitan_takes_as_given_are_checked(tmp_path):
     ]
 
 
+@pytest.mark.parametrize(
+    "overrides, problems",
+    [
+        (
+            ("--activation_checkpoint.mode", "selective",
+             "--activation_checkpoint.selective_ac_option", "foo"),
+            ["activation_checkpoint.selective_ac_option = 'foo' is neither \"op\""],
+        ),
+        (
+            ("--activation_checkpoint.mode", "selective",
+             "--activation_checkpoint.selective_ac_option", "0"),
+            ["activation_checkpoint.selective_ac_option = '0' is neither \"op\""],
+        ),
+        (
+            ("--activation_checkpoint.mode", "memory_budget", "--compile.no-enable"),
+            ['activation_checkpoint.mode = "memory_budget" is applied by the compiler'],
+        ),
+        (
+            ("--activation_checkpoint.mode", "memory_budget", "--compile.enable",
+             "--activation_checkpoint.memory_budget", "1.5"),
+            ["activation_checkpoint.memory_budget = 1.5 must be in [0, 1]"],
+        ),
+        (
+            ("--compile.enable", "--compile.backend", "nosuch"),
+            ["compile.backend = 'nosuch' is not a torch.compile backend; use \"inductor\""],
+        ),
+        (
+            ("--parallelism.expert_parallel_comm_backend", "deepep"),
+            ["parallelism.expert_parallel_comm_backend = 'deepep' is not supported"],
+        ),
+    ],
+)  # fmt: skip
+def test_settings_torchtitan_would_refuse_per_rank_after_the_build_are_checked(
+    overrides, problems, tmp_path
+):
+    """Each of these failed on every rank after the model was built (a traceback per rank) or,
+    for deepep, trained without it."""
+    job_config = _job_config("--job.dump_folder", str(tmp_path), *overrides)
+    found = _problems(job_config)
+    assert len(found) == len(problems), found
+    for problem, start in zip(found, problems, strict=True):
+        assert problem.startswith(start), problem
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("--activation_checkpoint.mode", "selective",
+         "--activation_checkpoint.selective_ac_option", "op"),
+        ("--activation_checkpoint.mode", "selective",
+         "--activation_checkpoint.selective_ac_option", "3"),
+        ("--activation_checkpoint.mode", "memory_budget", "--compile.enable"),
+        ("--compile.enable", "--compile.backend", "aot_eager"),
+    ],
+)  # fmt: skip
+def test_valid_checkpointing_and_compile_settings_pass(overrides, tmp_path):
+    from titan_gdn.validation import validate_job_config
+
+    validate_job_config(_job_config("--job.dump_folder", str(tmp_path), *overrides), 1)
+
+
 def test_max_norm_inf_trains_without_clipping(tmp_path):
     from torchtitan.distributed.utils import clip_grad_norm_
 

@@ -68,6 +68,8 @@ def configuration_problems(job_config, world_size: int) -> list[str]:
         *_batch_problems(job_config, world_size),
         *_gradient_clipping_problems(job_config.training),
         *_schedule_problems(job_config),
+        *_activation_checkpoint_problems(job_config),
+        *_compile_backend_problems(job_config.compile),
         *_model_problems(job_config, world_size),
         *_data_problems(job_config),
         *_checkpoint_problems(job_config, world_size),
@@ -162,7 +164,16 @@ def _unsupported_problems(parallelism, shard: int, world_size: int) -> list[str]
         )
     except AssertionError as error:  # torchtitan's own consistency checks (EP/ETP)
         return [f"parallelism: {error}"]
-    return unsupported_parallelism_problems(dims)
+    problems = unsupported_parallelism_problems(dims)
+    backend = getattr(p, "expert_parallel_comm_backend", "standard")
+    if backend != "standard":
+        # titan_gdn's expert parallel sends tokens with its own all-to-all: the setting would
+        # be ignored.
+        problems.append(
+            f"parallelism.expert_parallel_comm_backend = {backend!r} is not supported: "
+            'titan_gdn\'s expert parallel exchanges tokens with all-to-all ("standard")'
+        )
+    return problems
 
 
 def _batch_problems(job_config, world_size: int) -> list[str]:
@@ -228,6 +239,47 @@ def _schedule_problems(job_config) -> list[str]:
             "every N steps)"
         )
     return problems
+
+
+def _activation_checkpoint_problems(job_config) -> list[str]:
+    """What torchtitan's `apply_ac` would refuse after the model is built, per rank."""
+    ac = job_config.activation_checkpoint
+    problems = []
+    if ac.mode == "selective":
+        option = ac.selective_ac_option
+        if option != "op" and not (option.isdigit() and int(option) >= 1):
+            problems.append(
+                f'activation_checkpoint.selective_ac_option = {option!r} is neither "op" '
+                '(per op) nor a block interval N >= 1 (every N-th block, e.g. "2")'
+            )
+    elif ac.mode == "memory_budget":
+        compiled = job_config.compile.enable and "model" in job_config.compile.components
+        if not compiled:
+            problems.append(
+                'activation_checkpoint.mode = "memory_budget" is applied by the compiler: set '
+                'compile.enable = true with "model" in compile.components, or choose mode '
+                '"selective" or "full"'
+            )
+        if not 0 <= ac.memory_budget <= 1:
+            problems.append(
+                f"activation_checkpoint.memory_budget = {ac.memory_budget} must be in [0, 1] "
+                "(0: recompute all the compiler can, 1: keep everything)"
+            )
+    return problems
+
+
+def _compile_backend_problems(compile_config) -> list[str]:
+    if not compile_config.enable or not compile_config.components:
+        return []
+    from torch._dynamo import list_backends
+
+    known = list_backends(exclude_tags=())
+    if compile_config.backend in known:
+        return []
+    return [
+        f"compile.backend = {compile_config.backend!r} is not a torch.compile backend; use "
+        f'"inductor" (the default) or one of {", ".join(sorted(known))}'
+    ]
 
 
 # Model, tokenizer, data
