@@ -1001,34 +1001,31 @@ def test_a_nonfinite_gradient_of_a_finite_loss_is_not_applied(fused):
     )
 
 
-@side_by_side
-def test_steps_with_an_infinite_gradient_are_skipped_by_the_fused_optimizer(tmp_path):
-    """Rank 1 alone gets an infinite gradient from a finite loss; no weight takes it, and the
-    run stops before a checkpoint holds the step that stopped it."""
+def _run_with_bad_steps(tmp_path: Path, fault: str, *overrides: str) -> tuple[Path, Run]:
+    """2 ranks, 6 steps, one bad step in a row skipped, a checkpoint each step; the fault
+    (`tests/fixtures/faults.py`, `{fault}_STEPS`) at steps 2, 4 and 5 on rank 1 only, whose
+    log is not the one read: rank 0 must skip and stop with it."""
     dump = tmp_path / "run"
     run = _launch(
         dump,
         *FAULTS,
         "--training.steps", "6",
         "--training.skip_nonfinite_loss_steps", "1",
-        "--optimizer.implementation", "fused",
+        *overrides,
         "--checkpoint.enable",
         "--checkpoint.interval", "1",
         "--checkpoint.no-last-save-model-only",
         ngpu=2,
-        env={"TITAN_GDN_TEST_INF_GRAD_STEPS": "2,4,5", "TITAN_GDN_TEST_INF_GRAD_RANK": "1"},
+        env={f"{fault}_STEPS": "2,4,5", f"{fault}_RANK": "1"},
     )  # fmt: skip
     assert run.code != 0, run.output[-6000:]
-    for step in (2, 4):
-        assert f"Skipped step {step}: NaN or infinite gradient, finite loss" in run.output
-    stop = (
-        "Training stopped at step 5: the gradient is NaN or infinite, the loss finite (an "
-        "overflow in backward) (2 steps in a row), and this step was not applied. The last "
-        f"complete checkpoint is {dump}/checkpoint/step-4"
-    )
-    assert stop in run.output, run.output[-6000:]
-    assert all(run.steps[step][0] != "nan" for step in (2, 4, 5))  # finite losses
+    return dump, run
 
+
+def _assert_the_skipped_steps_changed_nothing(dump: Path, tmp_path: Path) -> None:
+    """Checkpoints 1-4 exist and none after; the skipped steps 2 and 4 changed neither the
+    weights nor the optimizer's moments and step counts, step 3 trained, nothing went
+    non-finite."""
     from titan_gdn.checkpoint_folders import checkpoint_steps
 
     assert checkpoint_steps(dump / "checkpoint") == ([1, 2, 3, 4], [])
@@ -1038,29 +1035,37 @@ def test_steps_with_an_infinite_gradient_are_skipped_by_the_fused_optimizer(tmp_
     weights = {step: _tensors(s) for step, s in state.items()}
     moments = {step: _tensors(s["optimizer"], only="state.") for step, s in state.items()}
     assert len(weights[1]) > 10 and len(moments[1]) > 10
-    for before, after in ((1, 2), (3, 4)):  # skipped: weights, moments and step counts kept
+    for before, after in ((1, 2), (3, 4)):
         for kept in (weights, moments):
+            assert kept[before].keys() == kept[after].keys()
             assert all(torch.equal(kept[before][k], kept[after][k]) for k in kept[before])
     assert not all(torch.equal(weights[2][k], weights[3][k]) for k in weights[2])
     assert all(torch.isfinite(w).all() for s in (weights, moments) for w in s[4].values())
 
 
 @side_by_side
+def test_steps_with_an_infinite_gradient_are_skipped_by_the_fused_optimizer(tmp_path):
+    """A finite loss with an infinite gradient: the fused optimizer skips it on the device, and
+    the run stops before a checkpoint holds the step that stopped it."""
+    dump, run = _run_with_bad_steps(
+        tmp_path, "TITAN_GDN_TEST_INF_GRAD", "--optimizer.implementation", "fused"
+    )
+    for step in (2, 4):
+        assert f"Skipped step {step}: NaN or infinite gradient, finite loss" in run.output
+    stop = (
+        "Training stopped at step 5: the gradient is NaN or infinite, the loss finite (an "
+        "overflow in backward) (2 steps in a row), and this step was not applied. The last "
+        f"complete checkpoint is {dump}/checkpoint/step-4"
+    )
+    assert stop in run.output, run.output[-6000:]
+    assert all(run.steps[step][0] != "nan" for step in (2, 4, 5))  # finite losses
+    _assert_the_skipped_steps_changed_nothing(dump, tmp_path)
+
+
+@side_by_side
 def test_nan_steps_are_skipped_then_training_stops_naming_the_last_checkpoint(tmp_path):
-    """Rank 1 alone sees NaN losses; rank 0 (whose log this is) skips and stops with it."""
-    dump = tmp_path / "run"
-    run = _launch(
-        dump,
-        *FAULTS,
-        "--training.steps", "6",
-        "--training.skip_nonfinite_loss_steps", "1",
-        "--checkpoint.enable",
-        "--checkpoint.interval", "1",
-        "--checkpoint.no-last-save-model-only",
-        ngpu=2,
-        env={"TITAN_GDN_TEST_NAN_LOSS_STEPS": "2,4,5", "TITAN_GDN_TEST_NAN_LOSS_RANK": "1"},
-    )  # fmt: skip
-    assert run.code != 0, run.output[-6000:]
+    """NaN losses (and gradients): the guard drops the gradients before the optimizer."""
+    dump, run = _run_with_bad_steps(tmp_path, "TITAN_GDN_TEST_NAN_LOSS")
     assert "Skipped step 2: NaN or infinite loss" in run.output
     assert "Skipped step 4: NaN or infinite loss" in run.output
     stop = (
@@ -1070,23 +1075,7 @@ def test_nan_steps_are_skipped_then_training_stops_naming_the_last_checkpoint(tm
     assert stop in run.output, run.output[-6000:]
     assert sorted(run.steps) == [1, 2, 3, 4], run.steps
     assert {step: run.steps[step][0] for step in (2, 4)} == {2: "nan", 4: "nan"}
-
-    from titan_gdn.checkpoint_folders import checkpoint_steps
-
-    assert checkpoint_steps(dump / "checkpoint") == ([1, 2, 3, 4], [])
-    state = {
-        step: _checkpoint(dump / "checkpoint" / f"step-{step}", tmp_path) for step in (1, 2, 3)
-    }
-    weights = {step: _tensors(s) for step, s in state.items()}
-    moments = {step: _tensors(s["optimizer"], only="state.") for step, s in state.items()}
-    assert weights[1].keys() == weights[2].keys() and len(weights[1]) > 10
-    assert moments[1].keys() == moments[2].keys() and len(moments[1]) > 10
-    # The skipped step 2 changed neither the weights nor the optimizer's moments and step
-    # counts; step 3 trained, and nothing went non-finite.
-    for before, after in ((weights[1], weights[2]), (moments[1], moments[2])):
-        assert all(torch.equal(before[k], after[k]) for k in before)
-    assert not all(torch.equal(weights[2][k], weights[3][k]) for k in weights[2])
-    assert all(torch.isfinite(w).all() for w in weights[3].values())
+    _assert_the_skipped_steps_changed_nothing(dump, tmp_path)
 
 
 def _tensors(state: dict, only: str = "") -> dict[str, torch.Tensor]:
