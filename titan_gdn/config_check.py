@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import tomllib
+import types
+import typing
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -44,7 +47,11 @@ def load_toml(path: str) -> dict[str, Any]:
         with open(path, "rb") as file:
             return tomllib.load(file)
     except FileNotFoundError:
-        raise SystemExit(f"{path}: config file not found") from None
+        where = "" if os.path.isabs(path) else f" in the working directory {os.getcwd()}"
+        raise SystemExit(
+            f"{path}: config file not found{where} (CONFIG_FILE or --job.config_file; the "
+            "shipped configs are in the checkout's train_configs/, run from its root)"
+        ) from None
     except tomllib.TOMLDecodeError as error:
         raise SystemExit(f"{path}: not valid TOML: {error}") from None
 
@@ -62,7 +69,13 @@ def job_config_class(args: list[str], toml_values: dict[str, Any]) -> type:
         module_path = job_section.get("custom_config_module")
     if not module_path:
         return JobConfig
-    custom = importlib.import_module(module_path).JobConfig
+    try:
+        custom = importlib.import_module(module_path).JobConfig
+    except (ImportError, AttributeError) as error:
+        raise SystemExit(
+            f"job.custom_config_module = {module_path!r} cannot be used ({error}); name an "
+            'importable module that defines JobConfig, e.g. "titan_gdn.job_config"'
+        ) from None
     return ConfigManager._merge_configs(JobConfig, custom)
 
 
@@ -77,17 +90,53 @@ def suggestion(name: str, valid_names: list[str], quote: str) -> str:
 
 def unknown_names(config_class: type, values: dict[str, Any], section: str = "") -> list[str]:
     """One message per name in `values` (the TOML table `section`; "" for the file's top level)
-    that `config_class` has no field for, descending into tables whose field is itself a
-    dataclass, as torchtitan's ConfigManager._dict_to_dataclass does."""
-    field_types = {f.name: f.type for f in fields(config_class)}
+    that `config_class` has no field for, or whose value has the wrong type, descending into
+    tables whose field is itself a dataclass, as torchtitan's ConfigManager._dict_to_dataclass
+    does."""
+    field_types = typing.get_type_hints(config_class)
     problems = []
-    for name, value in values.items():
-        if name not in field_types:
+    for name in values:
+        if name not in {f.name for f in fields(config_class)}:
             problems.append(unknown_name_message(name, list(field_types), section))
-        elif is_dataclass(field_types[name]) and isinstance(value, dict):
+            continue
+        value, expected = values[name], field_types[name]
+        if is_dataclass(expected) and isinstance(value, dict):
             subsection = f"{section}.{name}" if section else name
-            problems += unknown_names(field_types[name], value, subsection)
+            problems += unknown_names(expected, value, subsection)
+        elif (wanted := type_mismatch(value, expected)) is not None:
+            # torchtitan takes the TOML's values as they are: a quoted "false" is true.
+            problems.append(f"[{section}] {name} = {value!r} should be {wanted}")
     return problems
+
+
+_TYPE_NAMES = {
+    bool: "true or false (unquoted)",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+}
+
+
+def type_mismatch(value: Any, expected: Any) -> str | None:
+    """What `value` (as TOML gives it) should be to fit the annotation `expected`, or None when
+    it fits or the annotation is not a plain one (a dataclass, a dict, ...)."""
+    origin, arms = typing.get_origin(expected), typing.get_args(expected)
+    if origin is typing.Literal:
+        return None if value in arms else "one of " + ", ".join(repr(arm) for arm in arms)
+    if origin in (typing.Union, types.UnionType):
+        wanted = [type_mismatch(value, arm) for arm in arms if arm is not type(None)]
+        return None if None in wanted else " or ".join(wanted)
+    if origin is list:
+        return None if isinstance(value, list) else "a list ([...])"
+    if expected is float:
+        fits = isinstance(value, int | float) and not isinstance(value, bool)
+    elif expected is int:
+        fits = isinstance(value, int) and not isinstance(value, bool)
+    elif expected in (bool, str):
+        fits = isinstance(value, expected)
+    else:
+        return None
+    return None if fits else _TYPE_NAMES[expected]
 
 
 def unknown_name_message(name: str, valid_names: list[str], section: str) -> str:

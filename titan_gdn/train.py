@@ -1,4 +1,5 @@
-"""Training entry point: ``python -m titan_gdn.train --job.config_file X [overrides]``.
+"""Training entry point of each rank: ``torchrun ... -m titan_gdn.train --job.config_file X
+[overrides]``, which ``run_train.sh`` launches.
 
 The same as ``python -m torchtitan.train``, except that a rank started by torchrun ends when
 its launcher dies, that the device is settled first, so that a machine without an accelerator
@@ -73,6 +74,13 @@ def main() -> None:
     quiet_known_warnings(on_cpu)
     # A typo in the TOML stops here, named, before the process group and the model exist.
     check_config_file(sys.argv[1:])
+    if "LOCAL_RANK" not in os.environ:
+        # torchtitan reads the rank from torchrun's environment (a KeyError without it).
+        raise SystemExit(
+            "titan_gdn.train runs as a rank started by torchrun: launch "
+            "`CONFIG_FILE=X ./run_train.sh [overrides]` (NGPU=1 for one process), or "
+            "`torchrun --nproc_per_node N -m titan_gdn.train --job.config_file X [overrides]`"
+        )
     from torchtitan.tools.logging import logger
     from torchtitan.train import main as torchtitan_main
 

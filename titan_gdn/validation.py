@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import os
 import re
 import sys
@@ -303,10 +304,7 @@ def _model_problems(job_config, world_size: int = 1) -> list[str]:
 
         tokenizer = load_tokenizer(job_config.model.hf_assets_path)
     except Exception as error:  # missing files, bad JSON, or the tokenizers library's own
-        problems.append(
-            f"model.hf_assets_path = {job_config.model.hf_assets_path!r} has no usable "
-            f"tokenizer ({error}); point it at a folder with tokenizer.json"
-        )
+        problems.append(_tokenizer_problem(job_config.model.hf_assets_path, error))
     if args is not None:
         problems += job_config_problems(args, job_config, tokenizer)
         problems += _sample_length_problems(job_config, args, tokenizer)
@@ -317,6 +315,20 @@ def _model_problems(job_config, world_size: int = 1) -> list[str]:
         problems += expert_parallel_problems(args, parallelism.expert_parallel_degree, shard_x_cp)
         problems += cudagraph_problems(job_config, world_size, moe=bool(args.moe_layers))
     return problems
+
+
+def _tokenizer_problem(folder: str | None, error: Exception) -> str:
+    if folder and not os.path.isabs(folder) and not os.path.isdir(folder):
+        # torchtitan's own message then suggests a deprecated setting and a download.
+        return (
+            f"model.hf_assets_path = {folder!r} is not a folder of the working directory "
+            f"{os.getcwd()}, from which relative paths are read: run from the checkout's "
+            "root, or give an absolute path"
+        )
+    return (
+        f"model.hf_assets_path = {folder!r} has no usable tokenizer ({error}); point it at a "
+        "folder with tokenizer.json"
+    )
 
 
 def _sample_length_problems(job_config, args, tokenizer) -> list[str]:
@@ -703,6 +715,23 @@ def _sample_problems(job_config) -> list[str]:
 # Before the launcher
 
 
+def _custom_import_problems(module: str) -> list[str]:
+    """torchtitan imports `[experimental] custom_import` in every rank, after the process
+    group is up: a typo would fail there, once per rank."""
+    if not module:
+        return []
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package that does not exist
+        found = False
+    if found:
+        return []
+    return [
+        f"experimental.custom_import = {module!r} is not an importable module; for this "
+        'package use "titan_gdn" (it registers model.name = "qwen3_5")'
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m titan_gdn.validation --world-size N --job.config_file X [overrides]``: the
     trainer's checks, in one process, before a launcher starts N ranks (run_train.sh runs it
@@ -723,9 +752,10 @@ def main(argv: list[str] | None = None) -> int:
     from titan_gdn.train_spec import TRAIN_SPEC_NAME
 
     job_config = ConfigManager().parse_args(trainer_args)
-    if job_config.model.name != TRAIN_SPEC_NAME:
+    problems = _custom_import_problems(job_config.experimental.custom_import)
+    if job_config.model.name != TRAIN_SPEC_NAME and not problems:
         return 0  # another model's trainer checks its own config
-    problems = configuration_problems(job_config, options.world_size)
+    problems = problems or configuration_problems(job_config, options.world_size)
     if problems:
         print(ConfigError(problems), file=sys.stderr)
         return 1
