@@ -90,7 +90,7 @@ class Qwen35MetricsProcessor(MetricsProcessor):
         self.last_logged_step = 0
         # Under context parallel: the largest data-parallel rank's loss, from the trainer
         # (`Qwen35Trainer._rows_max_loss`), for this step's line.
-        self.rows_max_loss: float | None = None
+        self.rows_max_loss: torch.Tensor | None = None
 
     def documents_per_step(self) -> float:
         documents, batches = TRAINING_DOCUMENTS.take()
@@ -178,7 +178,7 @@ class Qwen35MetricsProcessor(MetricsProcessor):
         if "n_tokens_seen" in extra:
             extra["n_tokens_seen"] = extra["n_tokens_seen"] // cp
         if self.rows_max_loss is not None:
-            max_loss, self.rows_max_loss = self.rows_max_loss, None
+            max_loss, self.rows_max_loss = float(self.rows_max_loss), None
         return max_loss, extra
 
     @property

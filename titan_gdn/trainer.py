@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
@@ -193,7 +192,10 @@ class Qwen35Trainer(Trainer):
         rows_loss = losses * global_valid_tokens / tokens  # this rank's part, over its rows
         rows_loss = funcol.all_reduce(rows_loss, "sum", group=self.parallel_dims.get_mesh("cp"))
         batch = self.parallel_dims.get_optional_mesh("batch")
-        self.metrics_processor.rows_max_loss = dist_utils.dist_max(rows_loss, batch)
+        if batch is not None:
+            rows_loss = funcol.all_reduce(rows_loss, "max", group=batch)
+        # Read when the step is logged, after the optimizer is launched: no wait here.
+        self.metrics_processor.rows_max_loss = rows_loss
 
     def _guarded_loss_fn(self, loss_fn):
         """`loss_fn`, handing the guard each micro-batch's loss as the trainer scales it (over
