@@ -120,9 +120,18 @@ def test_a_run_outside_the_checkout_names_the_working_directory(tmp_path):
     assert "download" not in output  # torchtitan's advice for a deprecated setting
 
 
-def test_a_rank_started_without_torchrun_says_how_to_launch():
+def test_a_rank_started_without_torchrun_says_how_to_launch(tmp_path):
+    """After the config check (tests/test_reliability.py: a config error is reported first)."""
     result = subprocess.run(
-        [sys.executable, "-m", "titan_gdn.train", "--job.config_file", str(DEBUG_CONFIG)],
+        [
+            sys.executable,
+            "-m",
+            "titan_gdn.train",
+            "--job.config_file",
+            str(DEBUG_CONFIG),
+            "--job.dump_folder",
+            str(tmp_path),
+        ],  # fmt: skip
         cwd=REPO,
         env={k: v for k, v in os.environ.items() if k != "LOCAL_RANK"},
         capture_output=True,

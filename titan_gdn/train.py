@@ -75,7 +75,12 @@ def main() -> None:
     # A typo in the TOML stops here, named, before the process group and the model exist.
     check_config_file(sys.argv[1:])
     if "LOCAL_RANK" not in os.environ:
-        # torchtitan reads the rank from torchrun's environment (a KeyError without it).
+        # torchtitan reads the rank from torchrun's environment (a KeyError without it): the
+        # config is checked as for one process, then the way to launch is named.
+        from titan_gdn.validation import main as check_config
+
+        if check_config(["--world-size", "1", *sys.argv[1:]]) != 0:
+            raise SystemExit(1)
         raise SystemExit(
             "titan_gdn.train runs as a rank started by torchrun: launch "
             "`CONFIG_FILE=X ./run_train.sh [overrides]` (NGPU=1 for one process), or "
