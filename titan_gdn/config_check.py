@@ -93,13 +93,14 @@ def unknown_names(config_class: type, values: dict[str, Any], section: str = "")
     that `config_class` has no field for, or whose value has the wrong type, descending into
     tables whose field is itself a dataclass, as torchtitan's ConfigManager._dict_to_dataclass
     does."""
+    names = [f.name for f in fields(config_class)]
     field_types = typing.get_type_hints(config_class)
     problems = []
-    for name in values:
-        if name not in {f.name for f in fields(config_class)}:
-            problems.append(unknown_name_message(name, list(field_types), section))
+    for name, value in values.items():
+        if name not in names:
+            problems.append(unknown_name_message(name, names, section))
             continue
-        value, expected = values[name], field_types[name]
+        expected = field_types[name]
         if is_dataclass(expected) and isinstance(value, dict):
             subsection = f"{section}.{name}" if section else name
             problems += unknown_names(expected, value, subsection)
