@@ -96,9 +96,10 @@ case " $* " in
            --job.config_file "${CONFIG_FILE}" "$@" ;;
 esac
 
-# exec: torchrun takes this script's process, so a signal to it (kill -9 included) reaches the
-# launcher itself; the ranks end with their launcher (titan_gdn/train.py).
+# exec: the launcher (torchrun's, in titan_gdn/launch.py) takes this script's process, so a
+# signal to it (kill -9 included) reaches the launcher itself; the ranks end with their launcher
+# (titan_gdn/train.py). Ctrl-C and SIGTERM end the run with one line and status 130 / 143.
 export PYTORCH_ALLOC_CONF="expandable_segments:True"
-exec torchrun --nproc_per_node="${NGPU}" "${LAUNCH[@]}" \
+exec python -m titan_gdn.launch --nproc_per_node="${NGPU}" "${LAUNCH[@]}" \
     --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
     -m titan_gdn.train --job.config_file "${CONFIG_FILE}" "${COLOR[@]}" "$@"

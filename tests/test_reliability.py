@@ -1339,6 +1339,52 @@ def test_a_launcher_killed_with_sigkill_takes_its_ranks_with_it(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+@side_by_side
+def test_ctrl_c_or_sigterm_ends_a_run_in_one_line_with_the_shells_status(tmp_path):
+    """Ctrl-C reaches the launcher (the terminal's process group; torchrun passes it on), a
+    scheduler's SIGTERM may reach the ranks themselves: either way the run ends with rank 0's
+    line saying where it stopped and what a rerun resumes from, the launcher's line, no
+    traceback, and the status a shell gives a process that the signal ended (130, 143)."""
+    from titan_gdn.checkpoint_folders import checkpoint_steps
+
+    long_run = ("--training.steps", "100000")  # far more than this test waits for
+    sent = []
+
+    def after_step(step: int, signum: int, ranks: bool):
+        def send(line: str, process) -> None:
+            if not sent and re.search(rf"step:\s*{step}\s+loss", line):
+                pids = [_rank_pid(process.pid, rank) for rank in (0, 1)] if ranks else [process.pid]
+                for pid in pids:
+                    os.kill(pid, signum)
+                sent.append(step)
+
+        return send
+
+    dump = tmp_path / "interrupted"
+    run = _launch(dump, *long_run, "--checkpoint.enable", "--checkpoint.interval", "2",
+                  ngpu=2, on_line=after_step(3, signal.SIGINT, ranks=False))  # fmt: skip
+    assert sent and run.code == 130, run.output[-6000:]
+    complete, _ = checkpoint_steps(dump / "checkpoint")
+    stopped = re.search(r"\[rank0\]:titan_gdn: stopped by SIGINT during step (\d+); "
+                        r"the same command resumes from (\S+)\n", run.output)  # fmt: skip
+    assert stopped, run.output[-6000:]
+    assert int(stopped[1]) >= 3 and stopped[2] == str(dump / "checkpoint" / f"step-{complete[-1]}")
+    assert run.output.endswith("run_train.sh: stopped by SIGINT; the ranks stopped with it\n")
+    assert "Traceback" not in run.output and "death signal" not in run.output, run.output[-6000:]
+
+    sent.clear()
+    run = _launch(tmp_path / "terminated", *long_run, "--checkpoint.no-enable",
+                  ngpu=2, on_line=after_step(1, signal.SIGTERM, ranks=True))  # fmt: skip
+    assert sent and run.code == 143, run.output[-6000:]
+    no_checkpoint = "checkpointing is off ([checkpoint] enable): a rerun starts at step 1"
+    stopped = re.search(
+        r"\[rank0\]:titan_gdn: stopped by SIGTERM during step \d+; (.*)\n", run.output
+    )
+    assert stopped and stopped[1] == no_checkpoint, run.output[-6000:]
+    assert run.output.endswith("run_train.sh: stopped by SIGTERM; the ranks stopped with it\n")
+    assert "Traceback" not in run.output, run.output[-6000:]
+
+
 def test_kernel_backends_are_job_settings_checked_before_anything_is_built():
     """`[model]` attn_backend, delta_rule_backend, conv_backend and experts_backend reach the
     trainer's model args; a name the model would refuse on this machine (unknown, CUDA-only on

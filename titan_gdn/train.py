@@ -2,11 +2,12 @@
 [overrides]``, which ``run_train.sh`` launches.
 
 The same as ``python -m torchtitan.train``, except that a rank started by torchrun ends when
-its launcher dies, that the device is settled first, so that a machine without an accelerator
-trains on CPU + gloo (see :mod:`titan_gdn.cpu`), and that the config file's section and key
-names are checked before anything starts (see :mod:`titan_gdn.config_check`), and that start-up
-records a user cannot act on stay off the console (see
-:class:`titan_gdn.trainer.QuietConsole`).
+its launcher dies, that Ctrl-C or SIGTERM ends it with one line and the shell's exit status
+(see :mod:`titan_gdn.stop_signals`), that the device is settled first, so that a machine
+without an accelerator trains on CPU + gloo (see :mod:`titan_gdn.cpu`), and that the config
+file's section and key names are checked before anything starts (see
+:mod:`titan_gdn.config_check`), and that start-up records a user cannot act on stay off the
+console (see :class:`titan_gdn.trainer.QuietConsole`).
 """
 
 import ctypes
@@ -17,6 +18,7 @@ import warnings
 
 from titan_gdn.config_check import check_config_file
 from titan_gdn.cpu import use_cpu_if_no_accelerator
+from titan_gdn.stop_signals import exit_status, received, stop_line, stop_on_signals
 
 
 def quiet_known_warnings(on_cpu: bool) -> None:
@@ -69,6 +71,18 @@ def end_with_launcher() -> None:
 
 def main() -> None:
     end_with_launcher()
+    stop_on_signals()
+    try:
+        train()
+    except BaseException:
+        if received() is None:
+            raise
+        # The stop, in one line on each rank (run_train.sh shows rank 0's), not a traceback.
+        print(stop_line(received()), file=sys.stderr, flush=True)
+        raise SystemExit(exit_status(received())) from None
+
+
+def train() -> None:
     # Before torchtitan.train is imported: it and its imports copy the device at import time.
     on_cpu = use_cpu_if_no_accelerator()
     quiet_known_warnings(on_cpu)

@@ -21,6 +21,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
+from titan_gdn import stop_signals
 from titan_gdn.checkpoint import VerifiedCheckpointManager
 from titan_gdn.checkpoint_folders import HF_INDEX, latest_complete_checkpoint, step_folder
 from titan_gdn.data.vocab_check import check_token_ids
@@ -117,6 +118,7 @@ class Qwen35Trainer(Trainer):
         # (checksums at save, verified at load), so the instance takes its class.
         self.checkpointer.__class__ = VerifiedCheckpointManager
         self._write_model_args(QUIET_CONSOLE.model_args_path)
+        stop_signals.report_progress_with(self._progress)
         self._progress_started = False
         self._cudagraphs = setting(job_config, "compile", "cudagraphs")
         self._loss_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -127,6 +129,12 @@ class Qwen35Trainer(Trainer):
                 latest_complete_checkpoint(job_config) if job_config.checkpoint.enable else None
             ),
         )
+
+    def _progress(self) -> tuple[int, str]:
+        """The step in progress and how a rerun resumes, for the line a Ctrl-C prints."""
+        checkpoint = self.job_config.checkpoint.enable
+        last = latest_complete_checkpoint(self.job_config) if checkpoint else None
+        return self.step, stop_signals.resume_hint(checkpoint, last)
 
     def _write_model_args(self, path: str) -> None:
         if _rank() != 0 or not dataclasses.is_dataclass(self.model_args):

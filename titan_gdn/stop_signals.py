@@ -1,0 +1,68 @@
+"""Ctrl-C and SIGTERM end a run with one line that says where it stopped and how it resumes,
+and the shell's exit status (130, 143): not a traceback of whatever the rank was doing and
+torchrun's status 1, which read like a crash.
+
+A rank takes SIGINT, SIGTERM and SIGHUP (torchrun passes the one it gets on to its ranks; a
+scheduler such as Slurm may signal every process itself): the first raises :class:`Stopped`
+where the rank is, later ones are ignored so the stop is not itself interrupted. Once a signal
+has arrived any error counts as the stop: a rank waiting in a collective for a peer that has
+already stopped fails with a connection error."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_received: signal.Signals | None = None
+_progress: Callable[[], tuple[int, str]] | None = None
+
+
+class Stopped(BaseException):
+    """Raised where the rank is when the first signal arrives (a BaseException, as
+    KeyboardInterrupt is: no ``except Exception`` on the way handles it as an error)."""
+
+
+def _stop(signum: int, frame) -> None:
+    global _received
+    if _received is not None:
+        return
+    _received = signal.Signals(signum)
+    raise Stopped(_received.name)
+
+
+def stop_on_signals() -> None:
+    """Install the handlers (the rank's main thread, before anything long starts)."""
+    for signum in SIGNALS:
+        signal.signal(signum, _stop)
+
+
+def received() -> signal.Signals | None:
+    """The signal that stopped the run, or None."""
+    return _received
+
+
+def exit_status(signum: signal.Signals) -> int:
+    return 128 + signum  # what a shell reports for a process that the signal ended
+
+
+def report_progress_with(progress: Callable[[], tuple[int, str]]) -> None:
+    """`progress()` -> (the step in progress, 0 before the first; how a rerun resumes), for
+    the line a stop prints (the trainer's, once it exists)."""
+    global _progress
+    _progress = progress
+
+
+def stop_line(signum: signal.Signals) -> str:
+    step, resume = _progress() if _progress is not None else (0, "")
+    where = f"during step {step}" if step > 0 else "before the first step"
+    return f"titan_gdn: stopped by {signum.name} {where}" + (f"; {resume}" if resume else "")
+
+
+def resume_hint(checkpointing: bool, last_checkpoint: Path | None) -> str:
+    if not checkpointing:
+        return "checkpointing is off ([checkpoint] enable): a rerun starts at step 1"
+    if last_checkpoint is None:
+        return "no checkpoint was written yet: a rerun starts at step 1"
+    return f"the same command resumes from {last_checkpoint}"
