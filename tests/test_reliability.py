@@ -414,6 +414,43 @@ def test_lengths_torchtitan_takes_as_given_are_checked(tmp_path):
     ]
 
 
+def test_optimizer_settings_torch_or_torchtitan_would_refuse_per_rank_are_checked(tmp_path):
+    """torch's Adam raises inside every rank for these, torchtitan for an unknown name; the
+    schedule's factors and the optimizer in backward would train other than asked, silently
+    (with the latter, the log showed grad_norm 0.0000 and nothing was clipped)."""
+    job_config = _job_config(
+        "--job.dump_folder", str(tmp_path),
+        "--optimizer.name", "SGD",
+        "--optimizer.lr", "-0.001",
+        "--optimizer.eps", "nan",
+        "--optimizer.weight_decay", "-0.1",
+        "--optimizer.beta1", "1.0",
+        "--optimizer.beta2", "-0.5",
+        "--optimizer.early_step_in_backward",
+        "--lr_scheduler.min_lr_factor", "2",
+        "--lr_scheduler.decay_ratio", "-0.2",
+    )  # fmt: skip
+    assert _problems(job_config) == [
+        "optimizer.name = 'SGD' is not an optimizer torchtitan builds: use 'AdamW' or 'Adam'",
+        "optimizer.lr = -0.001 must be at least 0",
+        "optimizer.eps = nan must be at least 0",
+        "optimizer.weight_decay = -0.1 must be at least 0",
+        "optimizer.beta1 = 1.0 must be in [0, 1) (the weight of the past in the moving average)",
+        "optimizer.beta2 = -0.5 must be in [0, 1) (the weight of the past in the moving average)",
+        "optimizer.early_step_in_backward = true steps each parameter inside backward, before "
+        "the gradients are clipped (training.max_norm) or checked for NaN/inf: clipping would "
+        "be skipped and a NaN gradient would reach the weights; set it to false",
+        "lr_scheduler.min_lr_factor = 2.0 must be in [0, 1]: the learning rate decays from "
+        "optimizer.lr to optimizer.lr x min_lr_factor",
+        "lr_scheduler.decay_ratio = -0.2 must be in [0, 1] (the part of the schedule that "
+        "decays, at its end), or unset (decay right after warm-up)",
+    ]
+    edges = ("--optimizer.lr", "0", "--optimizer.beta1", "0", "--lr_scheduler.decay_ratio", "1")
+    from titan_gdn.validation import validate_job_config
+
+    validate_job_config(_job_config("--job.dump_folder", str(tmp_path), *edges), world_size=1)
+
+
 @pytest.mark.parametrize(
     "overrides, problems",
     [

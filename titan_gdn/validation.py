@@ -69,6 +69,7 @@ def configuration_problems(job_config, world_size: int) -> list[str]:
         *_batch_problems(job_config, world_size),
         *_gradient_clipping_problems(job_config.training),
         *_schedule_problems(job_config),
+        *_optimizer_problems(job_config),
         *_activation_checkpoint_problems(job_config),
         *_compile_backend_problems(job_config.compile),
         *_model_problems(job_config, world_size),
@@ -238,6 +239,49 @@ def _schedule_problems(job_config) -> list[str]:
         problems.append(
             f"metrics.log_freq = {job_config.metrics.log_freq} must be at least 1 (a line "
             "every N steps)"
+        )
+    return problems
+
+
+def _optimizer_problems(job_config) -> list[str]:
+    """What torch's Adam refuses inside every rank's traceback (a negative lr, eps or weight
+    decay, betas outside [0, 1)), a name torchtitan does not build, and settings that would
+    train other than asked without a word."""
+    optimizer, scheduler = job_config.optimizer, job_config.lr_scheduler
+    problems = []
+    if optimizer.name not in ("AdamW", "Adam"):
+        problems.append(
+            f"optimizer.name = {optimizer.name!r} is not an optimizer torchtitan builds: "
+            "use 'AdamW' or 'Adam'"
+        )
+    for name in ("lr", "eps", "weight_decay"):
+        if not getattr(optimizer, name) >= 0:  # NaN too
+            problems.append(f"optimizer.{name} = {getattr(optimizer, name)} must be at least 0")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(optimizer, name) < 1:
+            problems.append(
+                f"optimizer.{name} = {getattr(optimizer, name)} must be in [0, 1) (the weight "
+                "of the past in the moving average)"
+            )
+    if optimizer.early_step_in_backward:
+        # torchtitan steps each parameter from a hook in backward and frees its gradient:
+        # clip_grad_norm_ then sees none (grad_norm 0 in the log) and neither does the loss
+        # guard's check.
+        problems.append(
+            "optimizer.early_step_in_backward = true steps each parameter inside backward, "
+            "before the gradients are clipped (training.max_norm) or checked for NaN/inf: "
+            "clipping would be skipped and a NaN gradient would reach the weights; set it to "
+            "false"
+        )
+    if not 0 <= scheduler.min_lr_factor <= 1:
+        problems.append(
+            f"lr_scheduler.min_lr_factor = {scheduler.min_lr_factor} must be in [0, 1]: the "
+            "learning rate decays from optimizer.lr to optimizer.lr x min_lr_factor"
+        )
+    if scheduler.decay_ratio is not None and not 0 <= scheduler.decay_ratio <= 1:
+        problems.append(
+            f"lr_scheduler.decay_ratio = {scheduler.decay_ratio} must be in [0, 1] (the part "
+            "of the schedule that decays, at its end), or unset (decay right after warm-up)"
         )
     return problems
 
