@@ -13,8 +13,9 @@ import sys
 
 from titan_gdn.stop_signals import SIGNALS, exit_status
 
-# What a rank that a signal stopped exits with.
-_STOPPED = {exit_status(signum): signum for signum in SIGNALS}
+# What a rank that a signal stopped exits with: the status it sets, or death by the signal
+# (one that came before its handler was set, or the launcher's own to the ranks left).
+_STOPPED = {exit_status(signum): signum for signum in SIGNALS} | {-s: s for s in SIGNALS}
 
 
 def _say_stopped(signum: signal.Signals) -> int:
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         statuses = {failure.exitcode for failure in failed.failures.values()}
         if not statuses <= _STOPPED.keys():
             raise
-        return _say_stopped(_STOPPED[min(statuses)])
+        return _say_stopped(_STOPPED[max(statuses)])
     return 0
 
 

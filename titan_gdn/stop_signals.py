@@ -10,13 +10,18 @@ already stopped fails with a connection error."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _received: signal.Signals | None = None
 _progress: Callable[[], tuple[int, str]] | None = None
+_close: Callable[[], None] | None = None
 
 
 class Stopped(BaseException):
@@ -47,17 +52,33 @@ def exit_status(signum: signal.Signals) -> int:
     return 128 + signum  # what a shell reports for a process that the signal ended
 
 
-def report_progress_with(progress: Callable[[], tuple[int, str]]) -> None:
-    """`progress()` -> (the step in progress, 0 before the first; how a rerun resumes), for
-    the line a stop prints (the trainer's, once it exists)."""
-    global _progress
-    _progress = progress
+def report_progress_with(progress: Callable[[], tuple[int, str]], close: Callable[[], None]):
+    """The trainer's, once it exists: `progress()` -> (the step in progress, 0 before the
+    first; how a rerun resumes) for the stop's line; `close()` flushes what it logs."""
+    global _progress, _close
+    _progress, _close = progress, close
 
 
 def stop_line(signum: signal.Signals) -> str:
     step, resume = _progress() if _progress is not None else (0, "")
     where = f"during step {step}" if step > 0 else "before the first step"
     return f"titan_gdn: stopped by {signum.name} {where}" + (f"; {resume}" if resume else "")
+
+
+def exit_stopped() -> NoReturn:
+    """Print the stop's line, flush the metrics, and end the process with the shell's status.
+
+    `os._exit`, not SystemExit: the interpreter's teardown with the process group still up
+    crashed (SIGSEGV, SIGABRT in gloo's threads), and it resets the signal handlers, so the
+    launcher's SIGTERM to the ranks still alive killed them mid-way."""
+    signum = received()
+    print(stop_line(signum), file=sys.stderr, flush=True)
+    if _close is not None:
+        with contextlib.suppress(Exception):
+            _close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_status(signum))
 
 
 def resume_hint(checkpointing: bool, last_checkpoint: Path | None) -> str:

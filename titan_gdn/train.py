@@ -18,7 +18,7 @@ import warnings
 
 from titan_gdn.config_check import check_config_file
 from titan_gdn.cpu import use_cpu_if_no_accelerator
-from titan_gdn.stop_signals import exit_status, received, stop_line, stop_on_signals
+from titan_gdn.stop_signals import exit_stopped, received, stop_on_signals
 
 
 def quiet_known_warnings(on_cpu: bool) -> None:
@@ -77,9 +77,7 @@ def main() -> None:
     except BaseException:
         if received() is None:
             raise
-        # The stop, in one line on each rank (run_train.sh shows rank 0's), not a traceback.
-        print(stop_line(received()), file=sys.stderr, flush=True)
-        raise SystemExit(exit_status(received())) from None
+        exit_stopped()  # one line on each rank (run_train.sh shows rank 0's), not a traceback
 
 
 def train() -> None:

@@ -118,23 +118,25 @@ class Qwen35Trainer(Trainer):
         # (checksums at save, verified at load), so the instance takes its class.
         self.checkpointer.__class__ = VerifiedCheckpointManager
         self._write_model_args(QUIET_CONSOLE.model_args_path)
-        stop_signals.report_progress_with(self._progress)
+        stop_signals.report_progress_with(self._progress, close=self.metrics_processor.close)
         self._progress_started = False
         self._cudagraphs = setting(job_config, "compile", "cudagraphs")
         self._loss_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.loss_fn = self._guarded_loss_fn(self.loss_fn)
         self.loss_guard = NonFiniteLossGuard(
             max_skips=setting(job_config, "training", "skip_nonfinite_loss_steps"),
-            last_checkpoint=lambda: (
-                latest_complete_checkpoint(job_config) if job_config.checkpoint.enable else None
-            ),
+            last_checkpoint=self._last_checkpoint,
         )
+
+    def _last_checkpoint(self):
+        """The checkpoint a rerun resumes from, or None."""
+        enabled = self.job_config.checkpoint.enable
+        return latest_complete_checkpoint(self.job_config) if enabled else None
 
     def _progress(self) -> tuple[int, str]:
         """The step in progress and how a rerun resumes, for the line a Ctrl-C prints."""
-        checkpoint = self.job_config.checkpoint.enable
-        last = latest_complete_checkpoint(self.job_config) if checkpoint else None
-        return self.step, stop_signals.resume_hint(checkpoint, last)
+        checkpointing = self.job_config.checkpoint.enable
+        return self.step, stop_signals.resume_hint(checkpointing, self._last_checkpoint())
 
     def _write_model_args(self, path: str) -> None:
         if _rank() != 0 or not dataclasses.is_dataclass(self.model_args):
