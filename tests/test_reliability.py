@@ -631,7 +631,7 @@ def test_resuming_with_other_data_parallel_ranks_is_refused(tmp_path):
     ranks = random.randint(2, 8)
     # A step the run resumes from: a checkpoint at or past training.steps is a finished run.
     step = random.randint(1, job_config.training.steps - 1)
-    saved = {"dataloader": {"world_size": ranks, "dp_rank_0": b"position"}}
+    saved = {"dataloader": {"world_size": ranks, "dp_rank_0": b"position"}} | _model_state()
     dcp.save(saved, checkpoint_id=str(tmp_path / "checkpoint" / f"step-{step}"), no_dist=True)
     validate_job_config(job_config, world_size=ranks)  # the same ranks resume
     _one_problem_per_fragment(
@@ -640,12 +640,20 @@ def test_resuming_with_other_data_parallel_ranks_is_refused(tmp_path):
     )
 
 
-def _saved_step(folder: Path, step: int, model_only: bool) -> Path:
-    """A DCP step folder as the trainer writes it: model keys, and (unless `model_only`) the
-    training state a resume loads."""
+def _model_state(flavor: str = "debugmodel") -> dict[str, torch.Tensor]:
+    """The state dict of `flavor`'s model with random values (its keys and shapes)."""
+    from titan_gdn.checkpoint_folders import expected_shapes
+    from titan_gdn.model import qwen3_5_args
+
+    return {key: torch.randn(shape) for key, shape in expected_shapes(qwen3_5_args[flavor]).items()}
+
+
+def _saved_step(folder: Path, step: int, model_only: bool, flavor: str = "debugmodel") -> Path:
+    """A DCP step folder as the trainer writes it: the model of `flavor`, and (unless
+    `model_only`) the training state a resume loads."""
     import torch.distributed.checkpoint as dcp
 
-    state = {"tok_embeddings.weight": torch.randn(8, 4), "norm.weight": torch.randn(4)}
+    state = _model_state(flavor)
     if not model_only:
         state |= {
             "optimizer": {"state": {"norm.weight": {"step": torch.tensor(1.0)}}},
@@ -697,6 +705,51 @@ def test_resuming_from_a_checkpoint_that_holds_only_the_model_is_refused(tmp_pat
         f"checkpoint.initial_load_path = '{export}' and checkpoint.initial_load_in_hf = true, "
         "or resume from an earlier step with checkpoint.load_step (complete: [3, 6])"
     ) in problem
+
+
+def test_a_checkpoint_of_another_model_is_named_before_anything_is_built(tmp_path):
+    """A resume or an initial load from a DCP checkpoint of another flavor (or config.json)
+    stopped each rank with torchtitan's `Missing key in checkpoint state_dict` or a size
+    mismatch, once the model was built and sharded."""
+    other = "debugmoe"
+    folder = _saved_step(tmp_path / "run" / "checkpoint", 3, model_only=False, flavor=other)
+    resume = _job_config("--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable")
+    (problem,) = _problems(resume)
+    assert problem.startswith(f"{folder} holds another model than model.flavor = 'debugmodel': ")
+    assert problem.endswith(
+        f"(model.flavor = '{other}' fits it); resume with the model.flavor it was trained "
+        "with, or set a new job.dump_folder for a new run"
+    )
+    initial = _job_config(
+        "--job.dump_folder", str(tmp_path / "new"), "--checkpoint.enable",
+        "--checkpoint.initial_load_path", str(folder),
+    )  # fmt: skip
+    (problem,) = _problems(initial)
+    assert problem.endswith(
+        f"(model.flavor = '{other}' fits it); point checkpoint.initial_load_path at a "
+        "checkpoint of this model, or set model.flavor to the one it holds"
+    )
+    from titan_gdn.validation import validate_job_config
+
+    for job_config in (resume, initial):
+        job_config.model.flavor = other
+        validate_job_config(job_config, world_size=1)
+
+    # One weight of another shape: named with both shapes.
+    state = _model_state()
+    key = random.choice(sorted(state))
+    state[key] = torch.randn(*[size + 1 for size in state[key].shape])
+    import torch.distributed.checkpoint as dcp
+
+    reshaped = tmp_path / "reshaped" / "checkpoint" / "step-2"
+    dcp.save(state, checkpoint_id=str(reshaped), no_dist=True)
+    job_config = _job_config(
+        "--job.dump_folder", str(tmp_path / "reshaped"), "--checkpoint.enable",
+        "--checkpoint.exclude_from_loading", "optimizer,lr_scheduler,dataloader,train_state",
+    )  # fmt: skip
+    (problem,) = _problems(job_config)
+    shape, expected = list(state[key].shape), [size - 1 for size in state[key].shape]
+    assert f": {key} is {shape} there but {expected} in the model; resume" in problem, problem
 
 
 def test_a_run_whose_checkpoint_is_at_or_past_training_steps_is_named_finished(tmp_path):

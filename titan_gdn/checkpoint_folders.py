@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from titan_gdn.model import Qwen35Model, Qwen35ModelArgs, Qwen35StateDictAdapter
+from titan_gdn.model import Qwen35Model, Qwen35ModelArgs, Qwen35StateDictAdapter, qwen3_5_args
+from titan_gdn.model.flavors import FROM_HF_CONFIG
 from titan_gdn.model.hf_config import CONFIG_JSON, HF_INDEX
 from titan_gdn.model.hf_files import safetensors_files, safetensors_shapes
 
@@ -131,6 +132,35 @@ def hf_model_shapes(path: Path, args: Qwen35ModelArgs) -> dict[str, torch.Size]:
     shapes = safetensors_shapes(safetensors_files(path))
     meta = {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}
     return {key: value.shape for key, value in _adapter(args).from_hf(meta).items()}
+
+
+def expected_shapes(args: Qwen35ModelArgs) -> dict[str, torch.Size]:
+    """The state dict's shapes for `args`, from a model on the meta device (no memory)."""
+    with torch.device("meta"):
+        return {key: value.shape for key, value in Qwen35Model(args).state_dict().items()}
+
+
+def model_difference(found: dict[str, torch.Size], args: Qwen35ModelArgs) -> str | None:
+    """The first way a checkpoint's {key: shape} is not the model of `args`, or None."""
+    expected = expected_shapes(args)
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing:
+        return f"{len(missing)} of the model's weights are missing, e.g. {missing[0]}"
+    if extra:
+        return f"{len(extra)} weights are not the model's, e.g. {extra[0]}"
+    for key, shape in expected.items():
+        if tuple(found[key]) != tuple(shape):
+            return f"{key} is {list(found[key])} there but {list(shape)} in the model"
+    return None
+
+
+def flavors_that_fit(found: dict[str, torch.Size]) -> list[str]:
+    """The named flavors whose model the checkpoint's {key: shape} is."""
+    return [
+        name
+        for name, args in qwen3_5_args.items()
+        if name != FROM_HF_CONFIG and model_difference(found, args) is None
+    ]
 
 
 def read_state_dict(path: Path, fmt: str, args: Qwen35ModelArgs) -> dict[str, torch.Tensor]:

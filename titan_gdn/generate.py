@@ -24,8 +24,10 @@ from titan_gdn.checkpoint_folders import (
     DCP,
     HF,
     dcp_model_keys,
+    flavors_that_fit,
     hf_model_shapes,
     load_model,
+    model_difference,
     step_format,
     step_number,
 )
@@ -237,43 +239,18 @@ def build_tokenizer(folder: Path, model: Qwen35ModelArgs):
     return tokenizer
 
 
-def expected_shapes(args: Qwen35ModelArgs) -> dict[str, torch.Size]:
-    """The state dict's shapes for `args`, from a model on the meta device (no memory)."""
-    with torch.device("meta"):
-        return {key: value.shape for key, value in Qwen35Model(args).state_dict().items()}
-
-
 def check_shapes(
     found: dict[str, torch.Size], args: Qwen35ModelArgs, flavor: str | None, path: Path
 ) -> None:
     """Compare the checkpoint's keys and shapes with the flavor's before any weight is read,
     and name the flavor that fits when one does."""
-    expected = expected_shapes(args)
-    problem = _first_difference(found, expected)
+    problem = model_difference(found, args)
     if problem is None:
         return
-    fits = [name for name in qwen3_5_args if _fits(name, found)]
+    fits = flavors_that_fit(found)
     fix = f"pass --flavor {fits[0]}" if fits else "pass the --flavor the model was trained with"
     source = f"--flavor {flavor}" if flavor else f"the config.json of --checkpoint {path}"
     raise GenerateError(f"{source} does not match --checkpoint {path} ({problem}); {fix}")
-
-
-def _first_difference(found: dict, expected: dict) -> str | None:
-    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-    if missing:
-        return f"{len(missing)} of the model's weights are missing, e.g. {missing[0]}"
-    if extra:
-        return f"{len(extra)} weights are not the model's, e.g. {extra[0]}"
-    for key, shape in expected.items():
-        if tuple(found[key]) != tuple(shape):
-            return f"{key} is {list(found[key])} there but {list(shape)} in the model"
-    return None
-
-
-def _fits(flavor: str, found: dict[str, torch.Size]) -> bool:
-    if flavor == FROM_HF_CONFIG:
-        return False
-    return _first_difference(found, expected_shapes(qwen3_5_args[flavor])) is None
 
 
 def next_token(

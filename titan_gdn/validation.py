@@ -28,6 +28,9 @@ from titan_gdn.checkpoint_folders import (
     TRAINING_STATES,
     checkpoint_folder,
     checkpoint_steps,
+    dcp_model_keys,
+    flavors_that_fit,
+    model_difference,
     saved_data_parallel_ranks,
     saved_states,
     step_folder,
@@ -560,7 +563,11 @@ def _initial_load_problems(job_config, incomplete: list[int]) -> list[str]:
                 f"it again, or point {setting_name} at an intact one"
             ]
         return _unused_hf_weight_problems(job_config, source, setting_name)
-    return []
+    other_model = _other_model_problem(
+        job_config, Path(source), "point checkpoint.initial_load_path at a checkpoint of this "
+        "model, or set model.flavor to the one it holds",
+    )  # fmt: skip
+    return [other_model] if other_model else []
 
 
 def _hf_weight_damage(folder: Path) -> str | None:
@@ -652,7 +659,35 @@ def _resume_problems(job_config, world_size: int, complete: list[int]) -> list[s
     model_only = _model_only_problem(checkpoint, folder, [s for s in complete if s < step])
     if model_only:
         return [model_only]
+    other_model = _other_model_problem(
+        job_config, folder, "resume with the model.flavor it was trained with, or set a new "
+        "job.dump_folder for a new run",
+    )  # fmt: skip
+    if other_model:
+        return [other_model]
     return _data_parallel_rank_problems(job_config, world_size, folder)
+
+
+def _other_model_problem(job_config, folder: Path, fix: str) -> str | None:
+    """A DCP checkpoint of another model than the config's (another flavor, config.json or
+    dump folder): torchtitan stopped each rank with `Missing key in checkpoint state_dict`,
+    or a size mismatch, once the model was built and sharded. From the metadata alone."""
+    if "model" in job_config.checkpoint.exclude_from_loading:
+        return None
+    try:
+        args = _model_args(job_config)
+        found = {ours: meta.size for ours, (_, meta) in dcp_model_keys(folder).items()}
+    except Exception:  # the model checks, or the checkpoint's checksums, report those
+        return None
+    difference = model_difference(found, args)
+    if difference is None:
+        return None
+    fits = flavors_that_fit(found)
+    named = f" (model.flavor = {fits[0]!r} fits it)" if fits else ""
+    return (
+        f"{folder} holds another model than model.flavor = {job_config.model.flavor!r}: "
+        f"{difference}{named}; {fix}"
+    )
 
 
 def _finished_run_problem(job_config, folder: Path, step: int) -> str:
