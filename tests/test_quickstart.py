@@ -123,6 +123,21 @@ def test_the_last_step_checkpoint_samples_and_resumes(quickstart):
     assert sorted(_resumed_steps(output)) == [STEPS + 1, STEPS + 2], output[-6000:]
 
 
+def test_the_config_check_counts_a_checkpoint_as_large_as_the_one_written(quickstart):
+    """The config check refuses a dump folder whose disk cannot hold a checkpoint: its size
+    estimate is the size of the folder the run wrote, within a few percent."""
+    from torchtitan.config import ConfigManager
+
+    from titan_gdn.validation import checkpoint_size
+
+    checkout, _ = quickstart
+    step_folder = checkout / "outputs" / "debug_model" / "checkpoint" / f"step-{STEPS}"
+    written = sum(path.stat().st_size for path in step_folder.rglob("*") if path.is_file())
+    config = checkout / "train_configs" / "debug_model.toml"
+    estimate, _, _ = checkpoint_size(ConfigManager().parse_args(["--job.config_file", str(config)]))
+    assert written <= estimate <= 1.05 * written, (written, estimate)
+
+
 def _resumed_steps(output: str) -> list[int]:
     return [int(m.group(1)) for m in re.finditer(r"step:\s*(\d+)\s+loss:.*progress: ", output)]
 

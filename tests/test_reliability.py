@@ -752,6 +752,50 @@ def test_a_checkpoint_of_another_model_is_named_before_anything_is_built(tmp_pat
     assert f": {key} is {shape} there but {expected} in the model; resume" in problem, problem
 
 
+def test_a_disk_without_room_for_a_checkpoint_is_named_before_training(tmp_path, monkeypatch):
+    """The first save would fail after training up to it (DCP's `enforce fail at
+    inline_container.cc`, per rank); the disk's free space is checked first."""
+    import shutil
+
+    from titan_gdn.validation import checkpoint_size, validate_job_config
+
+    job_config = _job_config("--job.dump_folder", str(tmp_path / "a" / "b"), "--checkpoint.enable")
+    needed, parameters, _ = checkpoint_size(job_config)
+    seen = []
+
+    def disk_with(free: int):
+        def disk_usage(path):
+            seen.append(Path(path))
+            return shutil._ntuple_diskusage(10 * needed, 10 * needed - free, free)
+
+        return disk_usage
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_with(needed))
+    validate_job_config(job_config, world_size=1)
+    assert seen == [tmp_path]  # the folder to be, on the disk of its nearest existing parent
+    monkeypatch.setattr(shutil, "disk_usage", disk_with(needed - 1))
+    (problem,) = _problems(job_config)
+    assert problem.startswith(f"job.dump_folder = '{tmp_path / 'a' / 'b'}' is on a disk with ")
+    assert f"({parameters:,} parameters: fp32 weights and AdamW's two moments)" in problem
+    assert problem.endswith(
+        "its first save would fail; free space, point job.dump_folder at a larger disk, or set "
+        "checkpoint.enable = false"
+    )
+    # A run whose only save is the last step's weights, in bf16, needs a sixth of it.
+    model_only = _job_config(
+        "--job.dump_folder", str(tmp_path), "--checkpoint.enable",
+        "--checkpoint.interval", "1000", "--checkpoint.last_save_model_only",
+        "--checkpoint.export_dtype", "bfloat16",
+    )  # fmt: skip
+    smaller, _, what = checkpoint_size(model_only)
+    assert what == "bfloat16 weights" and smaller < needed / 5
+    monkeypatch.setattr(shutil, "disk_usage", disk_with(smaller))
+    validate_job_config(model_only, world_size=1)
+    monkeypatch.setattr(shutil, "disk_usage", disk_with(0))
+    no_saves = _job_config("--job.dump_folder", str(tmp_path), "--checkpoint.no-enable")
+    validate_job_config(no_saves, world_size=1)
+
+
 def test_a_run_whose_checkpoint_is_at_or_past_training_steps_is_named_finished(tmp_path):
     from titan_gdn.validation import validate_job_config
 
@@ -1279,6 +1323,47 @@ def test_a_checkpoint_interrupted_while_written_is_never_resumed_from(
     assert "Training starts at step 3" in resumed.output
     _assert_resumed_like_uninterrupted(dump, resumed, earlier_files, uninterrupted.result())
     assert checkpoint_steps(folder) == ([2, 4, 6], [])  # step 4 written again, whole
+
+
+@side_by_side
+def test_a_checkpoint_that_finds_its_disk_full_stops_the_run_in_one_message(tmp_path):
+    """A save that runs out of space (rank 1's file is /dev/full: every write fails with
+    ENOSPC) stopped each rank with DCP's CheckpointException and its nested tracebacks; now
+    each rank says which save failed, why, and what a rerun resumes from."""
+    dump = tmp_path / "run"
+    (dump / "checkpoint" / "step-4").mkdir(parents=True)
+    (dump / "checkpoint" / "step-4" / "__1_0.distcp").symlink_to("/dev/full")
+    run = _launch(dump, *RESUMABLE, ngpu=2)
+    assert run.code == 1 and sorted(run.steps) == [1, 2, 3, 4], run.output[-6000:]
+    folder = dump / "checkpoint"
+    assert (
+        f"[rank0]:Saving the checkpoint {folder}/step-4 failed: no room on its disk (No space "
+        "left on device). Free space (checkpoint.keep_latest_k = 10 keeps the newest 10), or "
+        "point job.dump_folder at a larger disk, then rerun the same command: it resumes from "
+        f"{folder}/step-2 (the incomplete step-4 is skipped; delete it to get its space back)\n"
+    ) in run.output, run.output[-6000:]
+    assert "Traceback" not in run.output, run.output[-6000:]
+    assert "titan_gdn.train FAILED" in run.output  # torchrun's report of the ranks
+
+
+def test_a_write_failure_with_the_disk_full_is_told_from_others(tmp_path, monkeypatch):
+    """torch.save's writer reports a full disk without an errno (`enforce fail at
+    inline_container.cc ... unexpected pos`): the disk's free space tells it apart."""
+    import shutil
+
+    from titan_gdn.checkpoint import no_room
+
+    failure = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    free = random.randint(0, 2**40)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**41, 0, free))
+    assert no_room(failure, tmp_path, needed=free) is None
+    assert no_room(failure, tmp_path, needed=free + 1) == (
+        f"{free / 2**30:.2f} GiB free for this rank's {(free + 1) / 2**30:.2f} GiB"
+    )
+    quota = OSError(122, "Disk quota exceeded")
+    wrapped = RuntimeError("write failed")
+    wrapped.__cause__ = quota
+    assert no_room(wrapped, tmp_path, needed=0) == os.strerror(122)
 
 
 # A checkpoint damaged after its save

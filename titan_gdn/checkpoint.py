@@ -15,9 +15,11 @@ still has its files checked against the sizes its `.metadata` records.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import shutil
 import zlib
 from collections.abc import Callable
 from contextlib import suppress
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -44,6 +47,39 @@ _CHECKSUMS_RESULT = "titan_gdn.file_checksums"
 
 class CheckpointDamageError(RuntimeError):
     pass
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written for want of disk space."""
+
+
+def no_room(error: BaseException, folder: Path, needed: int) -> str | None:
+    """Why writing `needed` bytes into `folder` failed, if for want of space: ENOSPC or
+    EDQUOT in the error's chain, or less free space than that (torch.save's writer then fails
+    with `enforce fail at inline_container.cc ... unexpected pos`, no errno)."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            return os.strerror(cause.errno)
+        cause = cause.__cause__ or cause.__context__
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        return f"{_gib(free)} free for this rank's {_gib(needed)}"
+    return None
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
+
+
+def _plan_bytes(plan) -> int:
+    """The tensor bytes a rank's DCP write plan writes."""
+    total = 0
+    for item in plan.items:
+        if item.tensor_data is not None:
+            count = math.prod(item.tensor_data.chunk.sizes)
+            total += count * item.tensor_data.properties.dtype.itemsize
+    return total
 
 
 def file_crc32(path: Path) -> int:
@@ -67,7 +103,13 @@ class ChecksummedWriter(FileSystemWriter):
         return super().prepare_global_plan(plans)
 
     def write_data(self, plan, planner) -> Future[list[WriteResult]]:
-        results = super().write_data(plan, planner).wait()
+        try:
+            results = super().write_data(plan, planner).wait()
+        except Exception as error:
+            reason = no_room(error, Path(self.path), _plan_bytes(plan))
+            if reason is None:
+                raise
+            raise CheckpointWriteError(f"no room on its disk ({reason})") from error
         written = {result.storage_data.relative_path for result in results}
         checksums = {name: file_crc32(Path(self.path) / name) for name in sorted(written)}
         carrier = WriteResult(MetadataIndex(_CHECKSUMS_RESULT), 0, checksums)
@@ -235,6 +277,37 @@ class VerifiedCheckpointManager(CheckpointManager):
         enable_garbage_collection: bool = False,
         to_hf: bool = False,
     ):
+        try:
+            return self._dcp_save(
+                state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
+            )
+        except CheckpointException as error:
+            # Every rank gets every rank's failures: each says why the save failed.
+            failures = [failure for failure, _ in error.failures.values()]
+            reasons = [str(f) for f in failures if isinstance(f, CheckpointWriteError)]
+            reasons += [no_room(f, Path(checkpoint_id), 0) for f in failures]
+            reason = next((reason for reason in reasons if reason), None)
+            if reason is None:
+                raise
+            raise CheckpointWriteError(self._no_room_message(checkpoint_id, reason)) from None
+
+    def _no_room_message(self, checkpoint_id: str, reason: str) -> str:
+        complete, _ = checkpoint_steps(self.folder)
+        resume = (
+            f"it resumes from {Path(self.folder) / f'step-{complete[-1]}'}"
+            if complete
+            else "no checkpoint is complete yet, so it starts at step 1"
+        )
+        k = self.keep_latest_k
+        keep = f"= {k} keeps the newest {k}" if k > 0 else "= 0 keeps them all, N the newest N"
+        return (
+            f"Saving the checkpoint {checkpoint_id} failed: {reason}. Free space (checkpoint."
+            f"keep_latest_k {keep}), or point job.dump_folder at a larger disk, then rerun the "
+            f"same command: {resume} (the incomplete {Path(checkpoint_id).name} is skipped; "
+            "delete it to get its space back)"
+        )
+
+    def _dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf):
         if to_hf:  # an HF export: safetensors for other tools, not a resume point
             return super().dcp_save(
                 state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf

@@ -1,6 +1,7 @@
 """run_train.sh's launcher: torchrun, run in this process, except that a stop by a signal
 (Ctrl-C, SIGTERM) ends in one line and the shell's exit status (130, 143), not torchrun's
-traceback and status 1. Its ranks print where they stopped (:mod:`titan_gdn.stop_signals`).
+traceback and status 1 (its ranks print where they stopped: :mod:`titan_gdn.stop_signals`),
+and that a failed run ends with torchrun's report of its ranks, not the launcher's traceback.
 
     python -m titan_gdn.launch [torchrun's arguments] -m titan_gdn.train [the trainer's]
 """
@@ -53,11 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         return _say_stopped(signal.SIGINT)
     except ChildFailedError as failed:
         # The ranks were signalled, not the launcher (a scheduler signalling every process):
-        # each one that ended said where; anything else is torchrun's report of a failure.
+        # each one that ended said where. Else torchrun's report of the failed ranks (each
+        # one's traceback where it left one), without the launcher's own traceback.
         statuses = {failure.exitcode for failure in failed.failures.values()}
-        if not statuses <= _STOPPED.keys():
-            raise
-        return _say_stopped(_STOPPED[max(statuses)])
+        if statuses <= _STOPPED.keys():
+            return _say_stopped(_STOPPED[max(statuses)])
+        print(failed, file=sys.stderr)
+        return 1
     return 0
 
 

@@ -10,6 +10,7 @@ file's section and key names are checked before anything starts (see
 console (see :class:`titan_gdn.trainer.QuietConsole`).
 """
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -101,6 +102,8 @@ def train() -> None:
     from torchtitan.tools.logging import logger
     from torchtitan.train import main as torchtitan_main
 
+    from titan_gdn.checkpoint import CheckpointDamageError, CheckpointWriteError
+    from titan_gdn.loss_guard import NonFiniteLossError
     from titan_gdn.trainer import QUIET_CONSOLE, Qwen35Trainer
     from titan_gdn.validation import ConfigError
 
@@ -111,7 +114,11 @@ def train() -> None:
     # close, destroy_process_group.
     try:
         torchtitan_main(Qwen35Trainer)
-    except ConfigError as error:  # its message is the report; a traceback adds nothing
+    except (ConfigError, NonFiniteLossError, CheckpointDamageError, CheckpointWriteError) as error:
+        # Each message says what happened and what to do; a traceback adds nothing. torchtitan's
+        # train() is wrapped in torch's @record, which wrote it for torchrun's summary.
+        with contextlib.suppress(KeyError, FileNotFoundError):
+            os.remove(os.environ["TORCHELASTIC_ERROR_FILE"])
         raise SystemExit(str(error)) from None
 
 

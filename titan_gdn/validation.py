@@ -18,9 +18,11 @@ import copy
 import importlib.util
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
+import torch
 from torchtitan.tools.logging import logger
 
 from titan_gdn.checkpoint_folders import (
@@ -465,7 +467,63 @@ def _checkpoint_problems(job_config, world_size: int) -> list[str]:
         problems += _initial_load_problems(job_config, incomplete)
     elif checkpoint.load_step in (-1, *complete):
         problems += _resume_problems(job_config, world_size, complete)
-    return problems
+    return problems + _disk_space_problems(job_config)
+
+
+# What a save writes: every state-dict tensor (a tied weight under each of its names) in fp32
+# and AdamW's two fp32 moments of each parameter; a model-only save the tensors in
+# checkpoint.export_dtype. DCP stores each item with about 1.3 KB of framing and 0.3 KB of
+# metadata, and the optimizer's state is about 16 items a parameter (moments, step, and each
+# value of its parameter group).
+_EXPORT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_ITEM_BYTES, _OPTIMIZER_ITEMS = 2048, 16
+
+
+def checkpoint_size(job_config) -> tuple[int, int, str] | None:
+    """(bytes, parameters, what is saved) of the first checkpoint the run writes, or None
+    when the model cannot be built (the model checks report why)."""
+    from titan_gdn.model import Qwen35Model
+
+    checkpoint, steps = job_config.checkpoint, job_config.training.steps
+    try:
+        with torch.device("meta"):
+            model = Qwen35Model(_model_args(job_config))
+    except Exception:
+        return None
+    state, weights = model.state_dict().values(), list(model.parameters())
+    tensors = sum(value.numel() for value in state)
+    parameters = sum(weight.numel() for weight in weights)
+    full = checkpoint.interval < steps or checkpoint.enable_first_step_checkpoint
+    if full or not checkpoint.last_save_model_only:
+        items = len(state) + _OPTIMIZER_ITEMS * len(weights)
+        size = 4 * tensors + 8 * parameters + _ITEM_BYTES * items
+        return size, parameters, "fp32 weights and AdamW's two moments"
+    export = checkpoint.export_dtype
+    size = tensors * _EXPORT_BYTES[export] + _ITEM_BYTES * len(state)
+    return size, parameters, f"{export} weights"
+
+
+def _disk_space_problems(job_config) -> list[str]:
+    """A disk without room for the run's first checkpoint: its save failed after training up
+    to it, with DCP's `enforce fail at inline_container.cc ... unexpected pos` per rank."""
+    size = checkpoint_size(job_config)
+    folder = checkpoint_folder(job_config).absolute()
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if size is None or free >= size[0]:
+        return []
+    needed, parameters, what = size
+    return [
+        f"job.dump_folder = {job_config.job.dump_folder!r} is on a disk with {_gib(free)} free, "
+        f"and a checkpoint of this run takes about {_gib(needed)} ({parameters:,} parameters: "
+        f"{what}): its first save would fail; free space, point job.dump_folder at a larger "
+        "disk, or set checkpoint.enable = false"
+    ]
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
 
 
 def _ignored_checkpoint_settings(checkpoint) -> list[str]:
