@@ -1354,6 +1354,7 @@ def test_a_write_failure_with_the_disk_full_is_told_from_others(tmp_path, monkey
     from titan_gdn.checkpoint import no_room
 
     failure = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert no_room(failure, tmp_path / "gone", needed=1) is None  # no disk to ask
     free = random.randint(0, 2**40)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**41, 0, free))
     assert no_room(failure, tmp_path, needed=free) is None

@@ -62,10 +62,13 @@ def no_room(error: BaseException, folder: Path, needed: int) -> str | None:
         if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
             return os.strerror(cause.errno)
         cause = cause.__cause__ or cause.__context__
-    free = shutil.disk_usage(folder).free
-    if free < needed:
-        return f"{_gib(free)} free for this rank's {_gib(needed)}"
-    return None
+    if needed <= 0:
+        return None
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:  # the folder is gone: nothing to tell from
+        return None
+    return f"{_gib(free)} free for this rank's {_gib(needed)}" if free < needed else None
 
 
 def _gib(size: int) -> str:

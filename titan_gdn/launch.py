@@ -32,9 +32,10 @@ class _QuietStop(logging.Filter):
     stopping = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg.startswith("Received %s death signal"):
+        message = str(record.msg)
+        if message.startswith("Received %s death signal"):
             self.stopping = True
-        return not (self.stopping and record.msg.startswith(("Received %s", "Sending process")))
+        return not (self.stopping and message.startswith(("Received %s", "Sending process")))
 
 
 def main(argv: list[str] | None = None) -> int:
