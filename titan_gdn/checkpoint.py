@@ -37,7 +37,7 @@ from torchtitan.components.checkpoint import LR_SCHEDULER, AsyncMode, Checkpoint
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
-from titan_gdn.checkpoint_folders import checkpoint_steps
+from titan_gdn.checkpoint_folders import checkpoint_steps, gib, step_folder
 
 CHECKSUMS_FILE = "checksums.json"
 # The name under which a rank's checksums travel to the coordinator with its write results;
@@ -68,11 +68,7 @@ def no_room(error: BaseException, folder: Path, needed: int) -> str | None:
         free = shutil.disk_usage(folder).free
     except OSError:  # the folder is gone: nothing to tell from
         return None
-    return f"{_gib(free)} free for this rank's {_gib(needed)}" if free < needed else None
-
-
-def _gib(size: int) -> str:
-    return f"{size / 2**30:.2f} GiB"
+    return f"{gib(free)} free for this rank's {gib(needed)}" if free < needed else None
 
 
 def _plan_bytes(plan) -> int:
@@ -297,7 +293,7 @@ class VerifiedCheckpointManager(CheckpointManager):
     def _no_room_message(self, checkpoint_id: str, reason: str) -> str:
         complete, _ = checkpoint_steps(self.folder)
         resume = (
-            f"it resumes from {Path(self.folder) / f'step-{complete[-1]}'}"
+            f"it resumes from {step_folder(self.folder, complete[-1])}"
             if complete
             else "no checkpoint is complete yet, so it starts at step 1"
         )

@@ -134,6 +134,11 @@ def hf_model_shapes(path: Path, args: Qwen35ModelArgs) -> dict[str, torch.Size]:
     return {key: value.shape for key, value in _adapter(args).from_hf(meta).items()}
 
 
+def gib(size: int) -> str:
+    """A checkpoint's or a disk's size, as the messages about them print it."""
+    return f"{size / 2**30:.2f} GiB"
+
+
 def expected_shapes(args: Qwen35ModelArgs) -> dict[str, torch.Size]:
     """The state dict's shapes for `args`, from a model on the meta device (no memory)."""
     with torch.device("meta"):

@@ -32,6 +32,7 @@ from titan_gdn.checkpoint_folders import (
     checkpoint_steps,
     dcp_model_keys,
     flavors_that_fit,
+    gib,
     model_difference,
     saved_data_parallel_ranks,
     saved_states,
@@ -507,23 +508,21 @@ def _disk_space_problems(job_config) -> list[str]:
     """A disk without room for the run's first checkpoint: its save failed after training up
     to it, with DCP's `enforce fail at inline_container.cc ... unexpected pos` per rank."""
     size = checkpoint_size(job_config)
+    if size is None:
+        return []
     folder = checkpoint_folder(job_config).absolute()
     while not folder.exists():
         folder = folder.parent
     free = shutil.disk_usage(folder).free
-    if size is None or free >= size[0]:
+    if free >= size[0]:
         return []
     needed, parameters, what = size
     return [
-        f"job.dump_folder = {job_config.job.dump_folder!r} is on a disk with {_gib(free)} free, "
-        f"and a checkpoint of this run takes about {_gib(needed)} ({parameters:,} parameters: "
+        f"job.dump_folder = {job_config.job.dump_folder!r} is on a disk with {gib(free)} free, "
+        f"and a checkpoint of this run takes about {gib(needed)} ({parameters:,} parameters: "
         f"{what}): its first save would fail; free space, point job.dump_folder at a larger "
         "disk, or set checkpoint.enable = false"
     ]
-
-
-def _gib(size: int) -> str:
-    return f"{size / 2**30:.2f} GiB"
 
 
 def _ignored_checkpoint_settings(checkpoint) -> list[str]:
