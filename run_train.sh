@@ -30,6 +30,10 @@ visible_gpus() {
 }
 
 fail() { echo "run_train.sh: $*" >&2; exit 2; }
+stopped_in_check() {
+    echo "run_train.sh: stopped by SIGINT during the config check; no rank was started" >&2
+    exit 130
+}
 is_count() { [[ "$1" =~ ^[1-9][0-9]*$ ]]; }
 
 if [ -z "${NGPU}" ]; then
@@ -90,10 +94,16 @@ if [ ! -t 1 ]; then COLOR=(--metrics.disable_color_printing); fi
 # The whole config checked once, before torchrun starts any rank: a mistake is named in a few
 # lines (titan_gdn/validation.py), not inside each rank's traceback and torchrun's report.
 # (Not for --help: torchtitan's own help follows.)
+# In the background, where it ignores SIGINT: Ctrl-C (which the terminal sends to the whole
+# group) then ends the check through the trap, in one line, instead of an import's traceback.
 case " $* " in
     *" --help "*|*" -h "*) ;;
-    *) python -m titan_gdn.validation --world-size $((NGPU * NNODES)) \
-           --job.config_file "${CONFIG_FILE}" "$@" ;;
+    *) trap 'kill "${CHECK}" 2>/dev/null; stopped_in_check' INT
+       python -m titan_gdn.validation --world-size $((NGPU * NNODES)) \
+           --job.config_file "${CONFIG_FILE}" "$@" &
+       CHECK=$!
+       wait "${CHECK}" || exit $?
+       trap - INT ;;
 esac
 
 # exec: the launcher (torchrun's, in titan_gdn/launch.py) takes this script's process, so a

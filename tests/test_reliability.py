@@ -1561,6 +1561,44 @@ def test_ctrl_c_or_sigterm_ends_a_run_in_one_line_with_the_shells_status(tmp_pat
     assert "Traceback" not in run.output, run.output[-6000:]
 
 
+def test_ctrl_c_during_the_config_check_ends_in_one_line(tmp_path):
+    """Ctrl-C (the terminal signals the whole process group) while run_train.sh checks the
+    config, before torchrun exists: one line and status 130, not an import's traceback."""
+    command = ["bash", "run_train.sh", "--job.dump_folder", str(tmp_path), *SMALL]
+    environment = {**os.environ, "NGPU": "1", "CONFIG_FILE": str(DEBUG_CONFIG)}
+    launcher = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # one group, as a terminal's foreground job is
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not _checking_config(launcher.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _checking_config(launcher.pid), "run_train.sh never started its config check"
+        time.sleep(0.5)  # inside its imports (the check takes seconds)
+        os.killpg(launcher.pid, signal.SIGINT)
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    line = "run_train.sh: stopped by SIGINT during the config check; no rank was started\n"
+    assert (launcher.returncode, output) == (130, line)
+    assert not (tmp_path / "checkpoint").exists()
+
+
+def _checking_config(root: int) -> bool:
+    return any(
+        b"titan_gdn.validation" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        for pid in _children(root)
+        if Path(f"/proc/{pid}/cmdline").exists()
+    )
+
+
 def test_kernel_backends_are_job_settings_checked_before_anything_is_built():
     """`[model]` attn_backend, delta_rule_backend, conv_backend and experts_backend reach the
     trainer's model args; a name the model would refuse on this machine (unknown, CUDA-only on
