@@ -1329,21 +1329,24 @@ def test_a_checkpoint_interrupted_while_written_is_never_resumed_from(
 def test_a_checkpoint_that_finds_its_disk_full_stops_the_run_in_one_message(tmp_path):
     """A save that runs out of space (rank 1's file is /dev/full: every write fails with
     ENOSPC) stopped each rank with DCP's CheckpointException and its nested tracebacks; now
-    each rank says which save failed, why, and what a rerun resumes from."""
-    dump = tmp_path / "run"
-    (dump / "checkpoint" / "step-4").mkdir(parents=True)
-    (dump / "checkpoint" / "step-4" / "__1_0.distcp").symlink_to("/dev/full")
-    run = _launch(dump, *RESUMABLE, ngpu=2)
-    assert run.code == 1 and sorted(run.steps) == [1, 2, 3, 4], run.output[-6000:]
-    folder = dump / "checkpoint"
-    assert (
-        f"[rank0]:Saving the checkpoint {folder}/step-4 failed: no room on its disk (No space "
-        "left on device). Free space (checkpoint.keep_latest_k = 10 keeps the newest 10), or "
-        "point job.dump_folder at a larger disk, then rerun the same command: it resumes from "
-        f"{folder}/step-2 (the incomplete step-4 is skipped; delete it to get its space back)\n"
-    ) in run.output, run.output[-6000:]
-    assert "Traceback" not in run.output, run.output[-6000:]
-    assert "titan_gdn.train FAILED" in run.output  # torchrun's report of the ranks
+    each rank says which save failed, why, and what a rerun resumes from. An async save's
+    failure arrives at the next save, and names the save that failed."""
+    for mode, steps in (("disabled", [1, 2, 3, 4]), ("async", [1, 2, 3, 4, 5, 6])):
+        dump = tmp_path / mode
+        (dump / "checkpoint" / "step-4").mkdir(parents=True)
+        (dump / "checkpoint" / "step-4" / "__1_0.distcp").symlink_to("/dev/full")
+        run = _launch(dump, *RESUMABLE, "--checkpoint.async_mode", mode, ngpu=2)
+        assert run.code == 1 and sorted(run.steps) == steps, run.output[-6000:]
+        folder = dump / "checkpoint"
+        assert (
+            f"[rank0]:Saving the checkpoint {folder}/step-4 failed: no room on its disk (No "
+            "space left on device). Free space (checkpoint.keep_latest_k = 10 keeps the newest "
+            "10), or point job.dump_folder at a larger disk, then rerun the same command: it "
+            f"resumes from {folder}/step-2 (the incomplete step-4 is skipped; delete it to get "
+            "its space back)\n"
+        ) in run.output, run.output[-6000:]
+        assert "Traceback" not in run.output, run.output[-6000:]
+        assert "titan_gdn.train FAILED" in run.output  # torchrun's report of the ranks
 
 
 def test_a_write_failure_with_the_disk_full_is_told_from_others(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ import os
 import shutil
 import zlib
 from collections.abc import Callable
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch.distributed as dist
@@ -268,6 +268,8 @@ class VerifiedCheckpointManager(CheckpointManager):
     """torchtitan's CheckpointManager that saves with checksums and resumes from the newest
     intact checkpoint, saying so when the learning-rate schedule or its base rate changed."""
 
+    _saving = ""  # the checkpoint last handed to DCP
+
     def dcp_save(
         self,
         state_dict,
@@ -276,10 +278,23 @@ class VerifiedCheckpointManager(CheckpointManager):
         enable_garbage_collection: bool = False,
         to_hf: bool = False,
     ):
-        try:
-            return self._dcp_save(
+        with self._full_disk_named(checkpoint_id):
+            result = self._dcp_save(
                 state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
             )
+        self._saving = checkpoint_id
+        return result
+
+    def _async_wait(self) -> None:
+        # An async save that failed raises here, at the next save: name the one that failed.
+        with self._full_disk_named(self._saving):
+            super()._async_wait()
+
+    @contextmanager
+    def _full_disk_named(self, checkpoint_id: str):
+        """DCP's CheckpointException of a save that found its disk full, as one message."""
+        try:
+            yield
         except CheckpointException as error:
             # Every rank gets every rank's failures: each says why the save failed.
             failures = [failure for failure, _ in error.failures.values()]
