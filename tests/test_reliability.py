@@ -940,6 +940,43 @@ def test_a_config_error_in_a_rank_is_its_message_without_a_traceback(tmp_path):
     assert "Traceback" not in result.stdout + result.stderr, result.stderr[-6000:]
 
 
+def test_wandb_that_is_missing_or_cannot_start_stops_the_run_before_training(tmp_path, monkeypatch):
+    """torchtitan logged `Failed to create WandB logger` and trained on without it: the
+    metrics a user asked for were lost. wandb missing is named by the config check; one that
+    is installed but fails to start (here a stand-in whose init raises, as an unconfigured
+    login does) stops the rank with one message."""
+    import importlib.util
+
+    job_config = _job_config("--job.dump_folder", str(tmp_path), "--metrics.enable_wandb")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "wandb" else real_find_spec(name, *a),
+    )
+    assert _problems(job_config) == [
+        "metrics.enable_wandb = true, but wandb is not installed: `pip install wandb` (and "
+        "`wandb login`, or WANDB_MODE=offline to log to disk), or leave it off"
+    ]
+    monkeypatch.undo()
+
+    stand_in = tmp_path / "stand_in" / "wandb"
+    stand_in.mkdir(parents=True)
+    (stand_in / "__init__.py").write_text(
+        "def init(**kwargs):\n    raise RuntimeError('api_key not configured (no-tty)')\n"
+    )
+    path = os.pathsep.join([str(stand_in.parent), os.environ.get("PYTHONPATH", "")])
+    run = _launch(tmp_path / "run", "--metrics.enable_wandb", env={"PYTHONPATH": path})
+    assert run.code == 1 and not run.steps, run.output[-6000:]
+    assert "Failed to create WandB logger: api_key not configured (no-tty)" in run.output
+    assert (
+        "metrics.enable_wandb = true, but W&B did not start (the `Failed to create WandB logger` "
+        "line above says why): fix that (e.g. `wandb login`, or WANDB_MODE=offline to log to "
+        "disk), or leave metrics.enable_wandb off"
+    ) in run.output, run.output[-6000:]
+    assert "Traceback" not in run.output, run.output[-6000:]
+
+
 # Bad data
 
 

@@ -19,7 +19,12 @@ import time
 from typing import Any
 
 import torch
-from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.metrics import (
+    BaseLogger,
+    LoggerContainer,
+    MetricsProcessor,
+    WandBLogger,
+)
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
@@ -28,6 +33,7 @@ from torchtitan.tools.logging import logger
 
 from titan_gdn.loss import ROUTER_AUX_LOSS
 from titan_gdn.model.flops import attention_flops_per_token, one_document_pairs_per_token
+from titan_gdn.validation import ConfigError
 
 DOCUMENTS_METRIC = "documents_per_step"
 # MoE models: transformers' load-balancing loss, averaged over the micro-batches since the last
@@ -75,6 +81,7 @@ class Qwen35MetricsProcessor(MetricsProcessor):
         model_args=None,
     ):
         super().__init__(job_config, parallel_dims, tag)
+        _require_wandb_logger(job_config, self.logger)
         self.model_args = model_args
         self.seq_len = job_config.training.seq_len
         training = job_config.training
@@ -245,6 +252,20 @@ def _clock(seconds: float) -> str:
     minutes, secs = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02}:{secs:02}" if hours else f"{minutes}:{secs:02}"
+
+
+def _require_wandb_logger(job_config: JobConfig, built: BaseLogger) -> None:
+    """torchtitan logs an error for a W&B logger it could not create (not logged in, no
+    network) and trains on without it; stop before training instead, the run's metrics would be
+    lost. Only the logging rank builds loggers (the others hold a bare BaseLogger)."""
+    if not job_config.metrics.enable_wandb or not isinstance(built, LoggerContainer):
+        return
+    if not any(isinstance(each, WandBLogger) for each in built._loggers):
+        raise ConfigError([
+            "metrics.enable_wandb = true, but W&B did not start (the `Failed to create WandB "
+            "logger` line above says why): fix that (e.g. `wandb login`, or WANDB_MODE=offline "
+            "to log to disk), or leave metrics.enable_wandb off"
+        ])  # fmt: skip
 
 
 def build_qwen3_5_metrics_processor(

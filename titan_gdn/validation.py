@@ -83,7 +83,19 @@ def configuration_problems(job_config, world_size: int) -> list[str]:
         *_checkpoint_problems(job_config, world_size),
         *_fault_policy_problems(job_config),
         *_sample_problems(job_config),
+        *_metrics_problems(job_config.metrics),
     ]
+
+
+def _metrics_problems(metrics) -> list[str]:
+    """torchtitan logs an error for a W&B logger it cannot create and trains on without it:
+    the run's metrics would be lost without a word at the end of the log."""
+    if metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        return [
+            "metrics.enable_wandb = true, but wandb is not installed: `pip install wandb` (and "
+            "`wandb login`, or WANDB_MODE=offline to log to disk), or leave it off"
+        ]
+    return []
 
 
 # Parallelism and batch
