@@ -972,7 +972,7 @@ def test_wandb_that_is_missing_or_cannot_start_stops_the_run_before_training(tmp
     assert (
         "metrics.enable_wandb = true, but W&B did not start (the `Failed to create WandB logger` "
         "line above says why): fix that (e.g. `wandb login`, or WANDB_MODE=offline to log to "
-        "disk), or leave metrics.enable_wandb off"
+        "disk), or leave metrics.enable_wandb off. Nothing was trained."
     ) in run.output, run.output[-6000:]
     assert "Traceback" not in run.output, run.output[-6000:]
 

@@ -33,7 +33,6 @@ from torchtitan.tools.logging import logger
 
 from titan_gdn.loss import ROUTER_AUX_LOSS
 from titan_gdn.model.flops import attention_flops_per_token, one_document_pairs_per_token
-from titan_gdn.validation import ConfigError
 
 DOCUMENTS_METRIC = "documents_per_step"
 # MoE models: transformers' load-balancing loss, averaged over the micro-batches since the last
@@ -254,6 +253,10 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{minutes:02}:{secs:02}" if hours else f"{minutes}:{secs:02}"
 
 
+class MetricsLoggerError(RuntimeError):
+    """A metrics logger the config asks for could not start."""
+
+
 def _require_wandb_logger(job_config: JobConfig, built: BaseLogger) -> None:
     """torchtitan logs an error for a W&B logger it could not create (not logged in, no
     network) and trains on without it; stop before training instead, the run's metrics would be
@@ -261,11 +264,11 @@ def _require_wandb_logger(job_config: JobConfig, built: BaseLogger) -> None:
     if not job_config.metrics.enable_wandb or not isinstance(built, LoggerContainer):
         return
     if not any(isinstance(each, WandBLogger) for each in built._loggers):
-        raise ConfigError([
+        raise MetricsLoggerError(
             "metrics.enable_wandb = true, but W&B did not start (the `Failed to create WandB "
             "logger` line above says why): fix that (e.g. `wandb login`, or WANDB_MODE=offline "
-            "to log to disk), or leave metrics.enable_wandb off"
-        ])  # fmt: skip
+            "to log to disk), or leave metrics.enable_wandb off. Nothing was trained."
+        )
 
 
 def build_qwen3_5_metrics_processor(

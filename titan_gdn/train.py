@@ -104,6 +104,7 @@ def train() -> None:
 
     from titan_gdn.checkpoint import CheckpointDamageError, CheckpointWriteError
     from titan_gdn.loss_guard import NonFiniteLossError
+    from titan_gdn.metrics import MetricsLoggerError
     from titan_gdn.trainer import QUIET_CONSOLE, Qwen35Trainer
     from titan_gdn.validation import ConfigError
 
@@ -114,7 +115,13 @@ def train() -> None:
     # close, destroy_process_group.
     try:
         torchtitan_main(Qwen35Trainer)
-    except (ConfigError, NonFiniteLossError, CheckpointDamageError, CheckpointWriteError) as error:
+    except (
+        ConfigError,
+        MetricsLoggerError,
+        NonFiniteLossError,
+        CheckpointDamageError,
+        CheckpointWriteError,
+    ) as error:
         # Each message says what happened and what to do; a traceback adds nothing. torchtitan's
         # train() is wrapped in torch's @record, which wrote it for torchrun's summary.
         with contextlib.suppress(KeyError, FileNotFoundError):
