@@ -1112,7 +1112,7 @@ def test_nonfinite_loss_guard_decides_after_the_last_micro_batch():
     from titan_gdn.loss_guard import NonFiniteLossError, NonFiniteLossGuard
 
     parameter = torch.nn.Parameter(torch.randn(4))
-    guard = NonFiniteLossGuard(max_skips=0, last_checkpoint=lambda: Path("run/step-4"))
+    guard = NonFiniteLossGuard(max_skips=0, resume_hint=lambda: "the same command resumes from x")
     for step in (1, 2):
         parameter.grad = torch.randn(4)
         for loss in torch.randn(3):
@@ -1127,7 +1127,7 @@ def test_nonfinite_loss_guard_decides_after_the_last_micro_batch():
         guard.after_backward(3, 2, lambda: [parameter])
     message = str(error.value)
     assert message.startswith("Training stopped at step 3: the loss is NaN or infinite")
-    assert "The last complete checkpoint is run/step-4" in message
+    assert "this step was not applied; the same command resumes from x. To get" in message
     assert "training.skip_nonfinite_loss_steps = N (now 0)" in message
 
 
@@ -1139,7 +1139,7 @@ def test_a_nonfinite_gradient_of_a_finite_loss_is_not_applied(fused):
 
     parameters = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
     optimizer = torch.optim.AdamW(parameters, lr=0.1, fused=fused, foreach=not fused)
-    guard = NonFiniteLossGuard(max_skips=1, last_checkpoint=lambda: None)
+    guard = NonFiniteLossGuard(max_skips=1, resume_hint=lambda: "a rerun starts at step 1")
 
     def step(number: int, bad: bool) -> None:
         for parameter in parameters:
@@ -1225,8 +1225,8 @@ def test_steps_with_an_infinite_gradient_are_skipped_by_the_fused_optimizer(tmp_
         assert f"Skipped step {step}: NaN or infinite gradient, finite loss" in run.output
     stop = (
         "Training stopped at step 5: the gradient is NaN or infinite, the loss finite (an "
-        "overflow in backward) (2 steps in a row), and this step was not applied. The last "
-        f"complete checkpoint is {dump}/checkpoint/step-4"
+        "overflow in backward) (2 steps in a row), and this step was not applied; the same "
+        f"command resumes from {dump}/checkpoint/step-4. To get"
     )
     assert stop in run.output, run.output[-6000:]
     assert all(run.steps[step][0] != "nan" for step in (2, 4, 5))  # finite losses
@@ -1241,7 +1241,7 @@ def test_nan_steps_are_skipped_then_training_stops_naming_the_last_checkpoint(tm
     assert "Skipped step 4: NaN or infinite loss" in run.output
     stop = (
         "Training stopped at step 5: the loss is NaN or infinite (2 steps in a row), and this "
-        f"step was not applied. The last complete checkpoint is {dump}/checkpoint/step-4"
+        f"step was not applied; the same command resumes from {dump}/checkpoint/step-4. To get"
     )
     assert stop in run.output, run.output[-6000:]
     assert sorted(run.steps) == [1, 2, 3, 4], run.steps
@@ -1378,9 +1378,9 @@ def test_a_checkpoint_that_finds_its_disk_full_stops_the_run_in_one_message(tmp_
         assert (
             f"[rank0]:Saving the checkpoint {folder}/step-4 failed: no room on its disk (No "
             "space left on device). Free space (checkpoint.keep_latest_k = 10 keeps the newest "
-            "10), or point job.dump_folder at a larger disk, then rerun the same command: it "
-            f"resumes from {folder}/step-2 (the incomplete step-4 is skipped; delete it to get "
-            "its space back)\n"
+            "10), or point job.dump_folder at a larger disk; then the same command resumes from "
+            f"{folder}/step-2 (the incomplete step-4 is skipped; delete it to get its space "
+            "back)\n"
         ) in run.output, run.output[-6000:]
         assert "Traceback" not in run.output, run.output[-6000:]
         assert "titan_gdn.train FAILED" in run.output  # torchrun's report of the ranks

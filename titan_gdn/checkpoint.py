@@ -37,7 +37,7 @@ from torchtitan.components.checkpoint import LR_SCHEDULER, AsyncMode, Checkpoint
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
-from titan_gdn.checkpoint_folders import checkpoint_steps, gib, step_folder
+from titan_gdn.checkpoint_folders import checkpoint_steps, gib, resume_hint, step_folder
 
 CHECKSUMS_FILE = "checksums.json"
 # The name under which a rank's checksums travel to the coordinator with its write results;
@@ -307,17 +307,13 @@ class VerifiedCheckpointManager(CheckpointManager):
 
     def _no_room_message(self, checkpoint_id: str, reason: str) -> str:
         complete, _ = checkpoint_steps(self.folder)
-        resume = (
-            f"it resumes from {step_folder(self.folder, complete[-1])}"
-            if complete
-            else "no checkpoint is complete yet, so it starts at step 1"
-        )
+        last = step_folder(self.folder, complete[-1]) if complete else None
         k = self.keep_latest_k
         keep = f"= {k} keeps the newest {k}" if k > 0 else "= 0 keeps them all, N the newest N"
         return (
             f"Saving the checkpoint {checkpoint_id} failed: {reason}. Free space (checkpoint."
-            f"keep_latest_k {keep}), or point job.dump_folder at a larger disk, then rerun the "
-            f"same command: {resume} (the incomplete {Path(checkpoint_id).name} is skipped; "
+            f"keep_latest_k {keep}), or point job.dump_folder at a larger disk; then "
+            f"{resume_hint(True, last)} (the incomplete {Path(checkpoint_id).name} is skipped; "
             "delete it to get its space back)"
         )
 

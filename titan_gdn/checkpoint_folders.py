@@ -205,3 +205,12 @@ def load_model(path: Path, fmt: str, args: Qwen35ModelArgs) -> Qwen35Model:
 def _adapter(args: Qwen35ModelArgs) -> Qwen35StateDictAdapter:
     # The text layout (`model.*`) is assumed; from_hf reads both it and the multimodal one.
     return Qwen35StateDictAdapter(args, None)
+
+
+def resume_hint(checkpointing: bool, last_checkpoint: Path | None) -> str:
+    """How a rerun of the same command goes on, as every stop message says it."""
+    if not checkpointing:
+        return "checkpointing is off ([checkpoint] enable): a rerun starts at step 1"
+    if last_checkpoint is None:
+        return "no checkpoint was written yet: a rerun starts at step 1"
+    return f"the same command resumes from {last_checkpoint}"

@@ -23,7 +23,6 @@ dropped); its data counts as consumed and the learning-rate schedule advances.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,11 +42,11 @@ class NonFiniteLossError(RuntimeError):
 
 
 class NonFiniteLossGuard:
-    def __init__(self, max_skips: int, last_checkpoint: Callable[[], Path | None]):
+    def __init__(self, max_skips: int, resume_hint: Callable[[], str]):
         """`max_skips`: consecutive bad steps skipped before stopping (0: stop at the first).
-        `last_checkpoint`: the checkpoint a rerun would resume from, for the error message."""
+        `resume_hint`: how a rerun goes on, for the error message (`checkpoint_folders`)."""
         self.max_skips = max_skips
-        self.last_checkpoint = last_checkpoint
+        self.resume_hint = resume_hint
         self.skipped_in_a_row = 0
         self._pending: list[_HostFlag] = []
         self._gradient_flags: list[tuple[int, _HostFlag]] = []
@@ -107,16 +106,10 @@ class NonFiniteLossGuard:
         )
 
     def _stop_message(self, step: int, what: str) -> str:
-        checkpoint = self.last_checkpoint()
-        resume = (
-            f"The last complete checkpoint is {checkpoint}; rerunning the command resumes from it"
-            if checkpoint is not None
-            else "No checkpoint was saved yet (checkpoint.enable, checkpoint.interval)"
-        )
         in_a_row = f" ({self.skipped_in_a_row} steps in a row)" if self.skipped_in_a_row > 1 else ""
         return (
-            f"Training stopped at step {step}: {what}{in_a_row}, and this "
-            f"step was not applied. {resume}. To get past it: lower optimizer.lr or raise "
+            f"Training stopped at step {step}: {what}{in_a_row}, and this step was not "
+            f"applied; {self.resume_hint()}. To get past it: lower optimizer.lr or raise "
             "lr_scheduler.warmup_steps, check this step's data, or set "
             f"training.skip_nonfinite_loss_steps = N (now {self.max_skips}) to skip up to N "
             "such steps in a row."

@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import NoReturn
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -79,11 +78,3 @@ def exit_stopped() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_status(signum))
-
-
-def resume_hint(checkpointing: bool, last_checkpoint: Path | None) -> str:
-    if not checkpointing:
-        return "checkpointing is off ([checkpoint] enable): a rerun starts at step 1"
-    if last_checkpoint is None:
-        return "no checkpoint was written yet: a rerun starts at step 1"
-    return f"the same command resumes from {last_checkpoint}"

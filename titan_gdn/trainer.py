@@ -23,7 +23,12 @@ from torchtitan.train import Trainer
 
 from titan_gdn import stop_signals
 from titan_gdn.checkpoint import VerifiedCheckpointManager
-from titan_gdn.checkpoint_folders import HF_INDEX, latest_complete_checkpoint, step_folder
+from titan_gdn.checkpoint_folders import (
+    HF_INDEX,
+    latest_complete_checkpoint,
+    resume_hint,
+    step_folder,
+)
 from titan_gdn.data.vocab_check import check_token_ids
 from titan_gdn.generate import encode_prompt, generate, render
 from titan_gdn.job_config import setting
@@ -125,7 +130,7 @@ class Qwen35Trainer(Trainer):
         self.loss_fn = self._guarded_loss_fn(self.loss_fn)
         self.loss_guard = NonFiniteLossGuard(
             max_skips=setting(job_config, "training", "skip_nonfinite_loss_steps"),
-            last_checkpoint=self._last_checkpoint,
+            resume_hint=self._resume_hint,
         )
 
     def _last_checkpoint(self):
@@ -135,8 +140,10 @@ class Qwen35Trainer(Trainer):
 
     def _progress(self) -> tuple[int, str]:
         """The step in progress and how a rerun resumes, for the line a Ctrl-C prints."""
-        checkpointing = self.job_config.checkpoint.enable
-        return self.step, stop_signals.resume_hint(checkpointing, self._last_checkpoint())
+        return self.step, self._resume_hint()
+
+    def _resume_hint(self) -> str:
+        return resume_hint(self.job_config.checkpoint.enable, self._last_checkpoint())
 
     def _write_model_args(self, path: str) -> None:
         if _rank() != 0 or not dataclasses.is_dataclass(self.model_args):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 def test_fused_adamw_on_the_gpu_skips_a_step_with_a_nonfinite_gradient():
     parameters = [torch.nn.Parameter(torch.randn(64, 32, device="cuda")) for _ in range(3)]
     optimizer = torch.optim.AdamW(parameters, lr=0.1, fused=True)
-    guard = NonFiniteLossGuard(max_skips=1, last_checkpoint=lambda: None)
+    guard = NonFiniteLossGuard(max_skips=1, resume_hint=lambda: "a rerun starts at step 1")
 
     def step(number: int, bad_loss: bool = False, bad_gradient: bool = False) -> None:
         for parameter in parameters:
