@@ -22,7 +22,9 @@ class Model:
     (flex attention with a document block mask; CUDA, any dtype), "sdpa" (a dense document
     mask, the reference). "": per device, varlen on CUDA and sdpa on CPU."""
     delta_rule_backend: str = ""
-    """The gated delta rule's kernels: "fla" (CUDA), "torch" (any device). "": per device."""
+    """The gated delta rule's kernels: "fla" (CUDA), "flash_qla" (FlashQLA, if installed:
+    Hopper or Blackwell, head widths 128; under context parallel over sequence chunks the
+    delta rule runs on FLA's kernels), "torch" (any device). "": per device, fla on CUDA."""
     conv_backend: str = ""
     """The GDN short convolution: "causal_conv1d" (CUDA, if installed), "fla" (CUDA), "torch".
     "": per device, in that order."""

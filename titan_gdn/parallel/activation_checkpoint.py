@@ -34,6 +34,7 @@ from titan_gdn.placements import collectives  # noqa: F401
 
 OPS_TO_SAVE = _op_sac_save_list | {
     torch.ops.titan_gdn.gated_delta_rule_fla.default,
+    torch.ops.titan_gdn.gated_delta_rule_flash_qla.default,
     torch.ops.titan_gdn.gated_delta_rule_torch.default,
     torch.ops.titan_gdn.varlen_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,

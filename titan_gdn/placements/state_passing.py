@@ -100,7 +100,8 @@ class StatePassing:
         if self.mesh is None:
             return gated_delta_rule(q, k, v, g, beta, docs.padded_cu_seqlens, backend=backend)
         chunk = _chunk(docs)
-        if resolve_delta_rule_backend(q.device, backend) == "fla":
+        # FlashQLA takes no carried-in state of this layout: its rows run on FLA's kernels.
+        if resolve_delta_rule_backend(q.device, backend) in ("fla", "flash_qla"):
             from titan_gdn.ops.delta_rule.fla_cp_op import fla_gated_delta_rule_cp
 
             return fla_gated_delta_rule_cp(q, k, v, g, beta, chunk, self.group_name)

@@ -1,10 +1,11 @@
 """The gated delta rule (Qwen3.5 linear-attention core) over packed documents.
 
-One entry point, :func:`gated_delta_rule`, with two backends: FLA's Triton kernels ("fla", CUDA
-only) and a pure-torch chunked implementation ("torch", any device). Both follow transformers'
-Qwen3.5 with ``use_qk_l2norm_in_kernel=True``. Each runs as a custom op, in eager and compiled
-code alike: "fla" saves FLA's residuals (`fla_op`), "torch" recomputes in backward
-(`titan_gdn.ops.custom_op`).
+One entry point, :func:`gated_delta_rule`, with three backends: FLA's Triton kernels ("fla", CUDA
+only), FlashQLA's TileLang kernels ("flash_qla", Hopper and Blackwell, head widths 128, chosen
+by name only) and a pure-torch chunked implementation ("torch", any device). All follow
+transformers' Qwen3.5 with ``use_qk_l2norm_in_kernel=True``. Each runs as a custom op, in eager
+and compiled code alike: "fla" and "flash_qla" save their kernels' residuals (`fla_op`,
+`flash_qla_op`), "torch" recomputes in backward (`titan_gdn.ops.custom_op`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from titan_gdn.ops.backends import resolve_backend
 from titan_gdn.ops.custom_op import input_saving_op
 from titan_gdn.ops.delta_rule.chunk_torch import chunk_gated_delta_rule_torch
 from titan_gdn.ops.delta_rule.fla_op import fla_gated_delta_rule
+from titan_gdn.ops.delta_rule.flash_qla_op import flash_qla_gated_delta_rule
 
-DELTA_RULE_BACKENDS = ("fla", "torch")
+DELTA_RULE_BACKENDS = ("fla", "flash_qla", "torch")
 
 __all__ = [
     "DELTA_RULE_BACKENDS",
@@ -33,7 +35,7 @@ def resolve_delta_rule_backend(device: torch.device | str, backend: str | None) 
         backend,
         torch.device(device),
         cuda_preference=("fla",),
-        cuda_only={"fla": "fla"},
+        cuda_only={"fla": "fla", "flash_qla": "flash_qla"},
         choices=DELTA_RULE_BACKENDS,
     )
 
@@ -54,8 +56,11 @@ def gated_delta_rule(
     The output has v's dtype.
     """
     _check_shapes(q, k, v, g, beta, cu_seqlens)
-    if resolve_delta_rule_backend(q.device, backend) == "fla":
+    backend = resolve_delta_rule_backend(q.device, backend)
+    if backend == "fla":
         return fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale)
+    if backend == "flash_qla":
+        return flash_qla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale)
     return _gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, scale)
 
 
