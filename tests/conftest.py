@@ -4,7 +4,6 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -119,29 +118,15 @@ def run_as_a_user(command: list[str], cwd: Path) -> tuple[int, str]:
 QUICKSTART = "./run_train.sh"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def quickstart_started(request, tmp_path_factory):
-    """The quickstart launched at the session's first test, when any selected test reads it:
-    (the copy it runs in, the Future of its (exit code, output)). It trains beside the tests
-    that come before its readers, which leave a core idle much of the time (processes starting,
-    ranks waiting for each other), instead of holding up its first reader for its whole run."""
-    if not any("quickstart" in item.fixturenames for item in request.session.items):
-        yield None
-        return
-    checkout = tmp_path_factory.mktemp("quickstart")
-    copy_checkout(checkout)
-    with ThreadPoolExecutor(1) as pool:
-        yield checkout, pool.submit(run_as_a_user, [QUICKSTART], checkout)
-
-
 @pytest.fixture(scope="session")
-def quickstart(quickstart_started) -> tuple[Path, str]:
+def quickstart(tmp_path_factory) -> tuple[Path, str]:
     """A copy of the checkout in which the README's quickstart ran, as a user's first run
     (it writes the copy's outputs/debug_model): (the copy, the run's output). Run once per
     session: tests/test_quickstart.py checks the run, tests/test_docs_commands.py runs the
     pages' other commands in the same copy."""
-    checkout, run = quickstart_started
-    code, output = run.result()
+    checkout = tmp_path_factory.mktemp("quickstart")
+    copy_checkout(checkout)
+    code, output = run_as_a_user([QUICKSTART], checkout)
     assert code == 0, output[-6000:]
     return checkout, output
 
