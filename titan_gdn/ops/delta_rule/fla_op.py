@@ -135,16 +135,6 @@ def _tune_on_a_short_row_first(q, k, v, g, beta, scale) -> None:
         _gated_delta_rule_fla_backward(o, *residuals, short[4], one_document, scale)
 
 
-gated_delta_rule_fla = register_op(
-    "gated_delta_rule_fla", _gated_delta_rule_fla, f"({INPUTS}, float scale) -> {tensors(8)}"
-)
-
-
-@gated_delta_rule_fla.register_fake
-def _(q, k, v, g, beta, cu_seqlens, scale):
-    return fake_output_and_residuals(q, k, v, g, beta)
-
-
 def fake_output_and_residuals(q, k, v, g, beta) -> tuple[Tensor, ...]:
     """Empty o, q, q_rstd, k, k_rstd, v, g_cumsum, A as FLA's forward returns them: normalised
     q and k keep their dtypes, the norms and the cumulative decay are fp32, A takes k's."""
@@ -189,18 +179,6 @@ def _gated_delta_rule_fla_backward(
     return tuple(grad.to(x.dtype) for grad, x in zip(grads, (q, k, v, g_cumsum, beta), strict=True))
 
 
-gated_delta_rule_fla_backward = register_op(
-    "gated_delta_rule_fla_backward",
-    _gated_delta_rule_fla_backward,
-    f"(Tensor grad_o, {RESIDUALS}, Tensor beta, Tensor cu_seqlens, float scale) -> {tensors(5)}",
-)
-
-
-@gated_delta_rule_fla_backward.register_fake
-def _(grad_o, q, q_rstd, k, k_rstd, v, g_cumsum, A, beta, cu_seqlens, scale):
-    return fake_input_grads(q, k, v, g_cumsum, beta)
-
-
 def fake_input_grads(q, k, v, g_cumsum, beta) -> tuple[Tensor, ...]:
     return tuple(x.new_empty(x.shape) for x in (q, k, v, g_cumsum, beta))
 
@@ -230,7 +208,29 @@ def register_autograd_with_residuals(forward_op, backward_op) -> None:
     forward_op.register_autograd(backward, setup_context=setup_context)
 
 
-register_autograd_with_residuals(gated_delta_rule_fla, gated_delta_rule_fla_backward)
+def register_delta_rule_ops(name: str, forward: Callable, backward: Callable):
+    """The custom ops `name` and `name`_backward of a delta-rule kernel pair: `forward(q, k, v,
+    g, beta, cu_seqlens, scale)` -> (o, q, q_rstd, k, k_rstd, v, g_cumsum, A) in the layout of
+    FLA's residuals, `backward(grad_o, *residuals, beta, cu_seqlens, scale)` -> (dq, dk, dv, dg,
+    dbeta); with their fakes, and the forward differentiable through the backward."""
+    forward_op = register_op(name, forward, f"({INPUTS}, float scale) -> {tensors(8)}")
+    forward_op.register_fake(
+        lambda q, k, v, g, beta, cu_seqlens, scale: fake_output_and_residuals(q, k, v, g, beta)
+    )
+    backward_schema = f"(Tensor grad_o, {RESIDUALS}, Tensor beta, Tensor cu_seqlens, float scale)"
+    backward_op = register_op(f"{name}_backward", backward, f"{backward_schema} -> {tensors(5)}")
+    backward_op.register_fake(
+        lambda grad_o, q, q_rstd, k, k_rstd, v, g_cumsum, A, beta, cu_seqlens, scale: (
+            fake_input_grads(q, k, v, g_cumsum, beta)
+        )
+    )
+    register_autograd_with_residuals(forward_op, backward_op)
+    return forward_op, backward_op
+
+
+gated_delta_rule_fla, gated_delta_rule_fla_backward = register_delta_rule_ops(
+    "gated_delta_rule_fla", _gated_delta_rule_fla, _gated_delta_rule_fla_backward
+)
 
 
 def _on_device(x: Tensor):

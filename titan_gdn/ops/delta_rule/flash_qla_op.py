@@ -31,17 +31,7 @@ import torch
 from torch import Tensor
 
 from titan_gdn.boundaries import FLA_CHUNK_SIZE, cached_documents_and_chunks
-from titan_gdn.ops.custom_op import register_op
-from titan_gdn.ops.delta_rule.fla_op import (
-    INPUTS,
-    RESIDUALS,
-    _on_device,
-    fake_input_grads,
-    fake_output_and_residuals,
-    load_fla_kernels,
-    register_autograd_with_residuals,
-    tensors,
-)
+from titan_gdn.ops.delta_rule.fla_op import _on_device, load_fla_kernels, register_delta_rule_ops
 
 # What FlashQLA's kernels take: both head widths (its kernels are written for 128).
 HEAD_DIM = 128
@@ -87,31 +77,12 @@ def _gated_delta_rule_flash_qla(q, k, v, g, beta, cu_seqlens, scale):
     with _on_device(q):
         q_unit, q_rstd = fla.l2norm_fwd(q)
         k_unit, k_rstd = fla.l2norm_fwd(k)
+        # FlashQLA's order: q, k, v, g, beta, scale; no initial or final state.
         g_cumsum, A, o, _, _, _ = qla.forward(
-            q=q_unit,
-            k=k_unit,
-            v=v_saved,
-            g=g,
-            beta=beta,
-            scale=scale,
-            initial_state=None,
-            cu_seqlens=cu_seqlens,
-            output_final_state=False,
-            is_train=True,
-        )
+            q_unit, k_unit, v_saved, g, beta, scale, cu_seqlens=cu_seqlens,
+            output_final_state=False, is_train=True,
+        )  # fmt: skip
     return o.to(v.dtype), q_unit, q_rstd, k_unit, k_rstd, v_saved, g_cumsum, A
-
-
-gated_delta_rule_flash_qla = register_op(
-    "gated_delta_rule_flash_qla",
-    _gated_delta_rule_flash_qla,
-    f"({INPUTS}, float scale) -> {tensors(8)}",
-)
-
-
-@gated_delta_rule_flash_qla.register_fake
-def _(q, k, v, g, beta, cu_seqlens, scale):
-    return fake_output_and_residuals(q, k, v, g, beta)
 
 
 def _gated_delta_rule_flash_qla_backward(
@@ -121,18 +92,10 @@ def _gated_delta_rule_flash_qla_backward(
     fla, qla = load_fla_kernels(), load_flash_qla_kernels()
     cu_seqlens, _ = cached_documents_and_chunks()(cu_seqlens)
     with _on_device(q):
+        # FlashQLA's order: q, k, v, g, beta, A, do; no state in or out.
+        do = grad_o.to(q.dtype).contiguous()
         dq, dk, dv, dbeta, dg, _ = qla.backward(
-            q=q,
-            k=k,
-            v=v,
-            g=g_cumsum,
-            beta=beta.contiguous(),
-            A=A,
-            do=grad_o.to(q.dtype).contiguous(),
-            dht=None,
-            scale=scale,
-            initial_state=None,
-            cu_seqlens=cu_seqlens,
+            q, k, v, g_cumsum, beta.contiguous(), A, do, scale=scale, cu_seqlens=cu_seqlens
         )
         dq = fla.l2norm_bwd(q, q_rstd, dq)
         dk = fla.l2norm_bwd(k, k_rstd, dk)
@@ -140,16 +103,6 @@ def _gated_delta_rule_flash_qla_backward(
     return tuple(grad.to(x.dtype) for grad, x in zip(grads, (q, k, v, g_cumsum, beta), strict=True))
 
 
-gated_delta_rule_flash_qla_backward = register_op(
-    "gated_delta_rule_flash_qla_backward",
-    _gated_delta_rule_flash_qla_backward,
-    f"(Tensor grad_o, {RESIDUALS}, Tensor beta, Tensor cu_seqlens, float scale) -> {tensors(5)}",
+gated_delta_rule_flash_qla, gated_delta_rule_flash_qla_backward = register_delta_rule_ops(
+    "gated_delta_rule_flash_qla", _gated_delta_rule_flash_qla, _gated_delta_rule_flash_qla_backward
 )
-
-
-@gated_delta_rule_flash_qla_backward.register_fake
-def _(grad_o, q, q_rstd, k, k_rstd, v, g_cumsum, A, beta, cu_seqlens, scale):
-    return fake_input_grads(q, k, v, g_cumsum, beta)
-
-
-register_autograd_with_residuals(gated_delta_rule_flash_qla, gated_delta_rule_flash_qla_backward)
