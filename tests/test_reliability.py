@@ -62,9 +62,9 @@ class Run:
     steps: dict[int, tuple[str, str, str]]  # step -> printed (loss, grad_norm, documents)
 
 
-def _launch(dump: Path, *overrides: str, ngpu: int = 1, env=None, on_line=None) -> Run:
-    """run_train.sh on the debug config; `on_line(line, process)` sees each output line as it
-    arrives (rank 0's log, then torchrun's)."""
+def _start(dump: Path, *overrides: str, ngpu: int = 1, env=None) -> subprocess.Popen:
+    """run_train.sh on the debug config, started in a process group of its own (as a
+    terminal's foreground job is), its output (rank 0's log, then torchrun's) piped."""
     command = ["bash", "run_train.sh", "--job.dump_folder", str(dump), *SMALL, *overrides]
     environment = {
         **os.environ,
@@ -74,15 +74,21 @@ def _launch(dump: Path, *overrides: str, ngpu: int = 1, env=None, on_line=None) 
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
-    process = subprocess.Popen(
+    return subprocess.Popen(
         command,
         cwd=REPO,
         env=environment,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        start_new_session=True,  # one process group: the watchdog ends the whole run
+        start_new_session=True,
     )
+
+
+def _launch(dump: Path, *overrides: str, ngpu: int = 1, env=None, on_line=None) -> Run:
+    """run_train.sh on the debug config, to its end; `on_line(line, process)` sees each output
+    line as it arrives (rank 0's log, then torchrun's)."""
+    process = _start(dump, *overrides, ngpu=ngpu, env=env)
     watchdog = threading.Timer(300, os.killpg, (process.pid, signal.SIGKILL))
     watchdog.start()
     lines = []
@@ -1604,17 +1610,7 @@ def test_ctrl_c_or_sigterm_ends_a_run_in_one_line_with_the_shells_status(tmp_pat
 def test_ctrl_c_during_the_config_check_ends_in_one_line(tmp_path):
     """Ctrl-C (the terminal signals the whole process group) while run_train.sh checks the
     config, before torchrun exists: one line and status 130, not an import's traceback."""
-    command = ["bash", "run_train.sh", "--job.dump_folder", str(tmp_path), *SMALL]
-    environment = {**os.environ, "NGPU": "1", "CONFIG_FILE": str(DEBUG_CONFIG)}
-    launcher = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=environment,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # one group, as a terminal's foreground job is
-    )
+    launcher = _start(tmp_path)
     try:
         deadline = time.monotonic() + 60
         while not _checking_config(launcher.pid) and time.monotonic() < deadline:
