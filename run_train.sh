@@ -30,10 +30,6 @@ visible_gpus() {
 }
 
 fail() { echo "run_train.sh: $*" >&2; exit 2; }
-stopped_in_check() {
-    echo "run_train.sh: stopped by SIGINT during the config check; no rank was started" >&2
-    exit 130
-}
 is_count() { [[ "$1" =~ ^[1-9][0-9]*$ ]]; }
 
 if [ -z "${NGPU}" ]; then
@@ -91,25 +87,17 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 COLOR=()
 if [ ! -t 1 ]; then COLOR=(--metrics.disable_color_printing); fi
 
-# The whole config checked once, before torchrun starts any rank: a mistake is named in a few
-# lines (titan_gdn/validation.py), not inside each rank's traceback and torchrun's report.
-# (Not for --help: torchtitan's own help follows.)
-# In the background, where it ignores SIGINT: Ctrl-C (which the terminal sends to the whole
-# group) then ends the check through the trap, in one line, instead of an import's traceback.
-case " $* " in
-    *" --help "*|*" -h "*) ;;
-    *) trap 'kill "${CHECK}" 2>/dev/null; stopped_in_check' INT
-       python -m titan_gdn.validation --world-size $((NGPU * NNODES)) \
-           --job.config_file "${CONFIG_FILE}" "$@" &
-       CHECK=$!
-       wait "${CHECK}" || exit $?
-       trap - INT ;;
-esac
+# The whole config checked once, in the launcher before torchrun starts any rank: a mistake is
+# named in a few lines (titan_gdn/validation.py), not inside each rank's traceback and
+# torchrun's report. (Not for --help: torchtitan's own help follows.)
+CHECK=(--check $((NGPU * NNODES)))
+case " $* " in *" --help "*|*" -h "*) CHECK=() ;; esac
 
-# exec: the launcher (torchrun's, in titan_gdn/launch.py) takes this script's process, so a
-# signal to it (kill -9 included) reaches the launcher itself; the ranks end with their launcher
-# (titan_gdn/train.py). Ctrl-C and SIGTERM end the run with one line and status 130 / 143.
+# exec: the launcher (the check, then torchrun: titan_gdn/launch.py) takes this script's
+# process, so a signal to it (kill -9 included) reaches the launcher itself; the ranks end with
+# their launcher (titan_gdn/train.py). Ctrl-C and SIGTERM end the run with one line and status
+# 130 / 143, during the check too.
 export PYTORCH_ALLOC_CONF="expandable_segments:True"
-exec python -m titan_gdn.launch --nproc_per_node="${NGPU}" "${LAUNCH[@]}" \
+exec python "${SCRIPT_DIR}/titan_gdn/launch.py" "${CHECK[@]}" --nproc_per_node="${NGPU}" "${LAUNCH[@]}" \
     --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
     -m titan_gdn.train --job.config_file "${CONFIG_FILE}" "${COLOR[@]}" "$@"

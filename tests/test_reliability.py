@@ -1607,9 +1607,11 @@ def test_ctrl_c_or_sigterm_ends_a_run_in_one_line_with_the_shells_status(tmp_pat
     assert "Traceback" not in run.output, run.output[-6000:]
 
 
-def test_ctrl_c_during_the_config_check_ends_in_one_line(tmp_path):
-    """Ctrl-C (the terminal signals the whole process group) while run_train.sh checks the
-    config, before torchrun exists: one line and status 130, not an import's traceback."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_ctrl_c_during_the_config_check_ends_in_one_line(tmp_path, signum):
+    """Ctrl-C (the terminal signals the whole process group) or SIGTERM while run_train.sh
+    checks the config, before torchrun exists: one line and the shell's status, not an
+    import's traceback."""
     launcher = _start(tmp_path)
     try:
         deadline = time.monotonic() + 60
@@ -1617,22 +1619,20 @@ def test_ctrl_c_during_the_config_check_ends_in_one_line(tmp_path):
             time.sleep(0.05)
         assert _checking_config(launcher.pid), "run_train.sh never started its config check"
         time.sleep(0.5)  # inside its imports (the check takes seconds)
-        os.killpg(launcher.pid, signal.SIGINT)
+        os.killpg(launcher.pid, signum)
         output, _ = launcher.communicate(timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
-    line = "run_train.sh: stopped by SIGINT during the config check; no rank was started\n"
-    assert (launcher.returncode, output) == (130, line)
+    line = f"run_train.sh: stopped by {signum.name} during the config check; no rank was started\n"
+    assert (launcher.returncode, output) == (128 + signum, line)
     assert not (tmp_path / "checkpoint").exists()
 
 
-def _checking_config(root: int) -> bool:
-    return any(
-        b"titan_gdn.validation" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        for pid in _children(root)
-        if Path(f"/proc/{pid}/cmdline").exists()
-    )
+def _checking_config(launcher: int) -> bool:
+    """run_train.sh has become the launcher (exec), which checks the config before torchrun."""
+    cmdline = Path(f"/proc/{launcher}/cmdline")
+    return cmdline.exists() and b"--check" in cmdline.read_bytes() and not _children(launcher)
 
 
 def test_kernel_backends_are_job_settings_checked_before_anything_is_built():

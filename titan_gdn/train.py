@@ -19,7 +19,12 @@ import warnings
 
 from titan_gdn.config_check import check_config_file
 from titan_gdn.cpu import use_cpu_if_no_accelerator
-from titan_gdn.stop_signals import exit_stopped, received, stop_on_signals
+from titan_gdn.stop_signals import (
+    exit_stopped,
+    exit_without_teardown,
+    received,
+    stop_on_signals,
+)
 
 
 def quiet_known_warnings(on_cpu: bool) -> None:
@@ -79,6 +84,7 @@ def main() -> None:
         if received() is None:
             raise
         exit_stopped()  # one line on each rank (run_train.sh shows rank 0's), not a traceback
+    exit_without_teardown(0)
 
 
 def train() -> None:
