@@ -431,6 +431,7 @@ def _backend_problems(args) -> list[str]:
     from titan_gdn.ops.attention import resolve_attn_backend
     from titan_gdn.ops.conv import resolve_conv_backend
     from titan_gdn.ops.delta_rule import resolve_delta_rule_backend
+    from titan_gdn.ops.delta_rule.flash_qla_op import head_width_problems
     from titan_gdn.ops.experts import resolve_experts_backend
 
     # Not torchtitan's device_type: it says "cuda" on a machine without GPUs (titan_gdn/cpu.py).
@@ -443,9 +444,12 @@ def _backend_problems(args) -> list[str]:
         (resolve_experts_backend, args.experts_backend),
     ):
         try:
-            resolve(device, requested)
+            resolved = resolve(device, requested)
         except ValueError as error:
             problems.append(str(error))
+            continue
+        if resolve is resolve_delta_rule_backend and resolved == "flash_qla":
+            problems += head_width_problems(args.linear_key_head_dim, args.linear_value_head_dim)
     return problems
 
 

@@ -55,13 +55,20 @@ def load_flash_qla_kernels() -> FlashQlaKernels:
     return FlashQlaKernels(chunk.chunk_gated_delta_rule_fwd, chunk.chunk_gated_delta_rule_bwd)
 
 
+def head_width_problems(key_width: int, value_width: int) -> list[str]:
+    """What FlashQLA cannot run at these GDN head widths: for the config check and the op."""
+    if key_width == value_width == HEAD_DIM:
+        return []
+    return [
+        f"model.delta_rule_backend = 'flash_qla' runs head widths of {HEAD_DIM} only; this "
+        f"model's are {key_width} (keys) and {value_width} (values): use 'fla'"
+    ]
+
+
 def flash_qla_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale: float | None) -> Tensor:
     """The gated delta rule on FlashQLA's kernels; same contract as `gated_delta_rule`."""
-    if q.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
-        raise ValueError(
-            f"model.delta_rule_backend = 'flash_qla' runs head widths of {HEAD_DIM} only; this "
-            f"model's are {q.shape[-1]} (keys) and {v.shape[-1]} (values): use 'fla'"
-        )
+    if problems := head_width_problems(q.shape[-1], v.shape[-1]):
+        raise ValueError(problems[0])
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     return gated_delta_rule_flash_qla(q, k, v, g, beta, cu_seqlens, scale)[0]
 
