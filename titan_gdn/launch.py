@@ -78,6 +78,7 @@ def _checked(argv: list[str]) -> tuple[int, list[str]]:
         return 0, argv
     from titan_gdn.validation import main as check
 
+    sys.argv[0] = "run_train.sh"  # the command that argument errors tell to rerun with --help
     return check(["--world-size", argv[1], *_trainer_arguments(argv)]), argv[2:]
 
 
