@@ -44,6 +44,7 @@ SMALL = (
     "--metrics.disable_color_printing",
     "--debug.seed", "7",
     "--debug.deterministic",
+    "--sample.prompt", "",  # no sample at the end (tests/test_quickstart.py checks it)
 )  # fmt: skip
 FAULTS = ("--experimental.custom_import", "tests.fixtures.faults")
 
@@ -1654,6 +1655,25 @@ def test_kernel_backends_are_job_settings_checked_before_anything_is_built():
     args = copy.deepcopy(qwen3_5_args["debugmodel"])
     args.update_from_config(job_config)
     assert {name: getattr(args, name) for name in chosen} == chosen
+
+
+def test_flash_qla_at_head_widths_it_cannot_run_fails_the_config_check(monkeypatch):
+    """FlashQLA's kernels are 128 wide: other GDN head widths are named by the check, as on a
+    GPU machine with flash_qla installed (both stood in for here), not at the first forward."""
+    from titan_gdn.model import qwen3_5_args
+    from titan_gdn.ops import backends
+    from titan_gdn.validation import _backend_problems
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backends, "_installed", lambda module: True)
+    args = copy.deepcopy(qwen3_5_args["debugmodel"])
+    args.delta_rule_backend = "flash_qla"
+    assert _backend_problems(args) == []  # the debug model's GDN heads are 128 wide
+    args.linear_key_head_dim = random.choice([32, 64, 256])
+    assert _backend_problems(args) == [
+        "model.delta_rule_backend = 'flash_qla' runs head widths of 128 only; this model's are "
+        f"{args.linear_key_head_dim} (keys) and 128 (values): use 'fla'"
+    ]
 
 
 def test_model_max_seq_len_raises_the_limit_the_validation_names():
