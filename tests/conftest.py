@@ -7,9 +7,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
-from torch._prims.rng_prims import run_with_rng_state
-from torch.utils._python_dispatch import TorchDispatchMode
+
+# OpenMP threads that wait sleep instead of spinning (as run_train.sh sets for its ranks): the
+# suite's processes share the cores (two workers under `-n 2`, and the processes tests start),
+# and spinning threads made a neighbour's steps 5-20x slower. Read when torch loads OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from torch._prims.rng_prims import run_with_rng_state  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # What the shipped configs and the README's commands name relative to the checkout's root.
@@ -122,8 +128,8 @@ QUICKSTART = "./run_train.sh"
 def quickstart(tmp_path_factory) -> tuple[Path, str]:
     """A copy of the checkout in which the README's quickstart ran, as a user's first run
     (it writes the copy's outputs/debug_model): (the copy, the run's output). Run once per
-    session: tests/test_quickstart.py checks the run, tests/test_docs_commands.py runs the
-    pages' other commands in the same copy."""
+    session: tests/test_quickstart.py checks the run and runs the pages' other commands in the
+    same copy (one module, so one pytest-xdist worker under `--dist loadfile`)."""
     checkout = tmp_path_factory.mktemp("quickstart")
     copy_checkout(checkout)
     code, output = run_as_a_user([QUICKSTART], checkout)

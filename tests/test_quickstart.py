@@ -3,9 +3,9 @@
 It runs in a temporary copy of the checkout (its tracked and untracked, not ignored files), so
 that it writes that copy's outputs/debug_model as a user's first run would, and neither reads
 nor overwrites the checkout's own outputs/ (the `quickstart` fixture of tests/conftest.py, run
-once per session; tests/test_docs_commands.py runs the pages' other commands in that copy).
-Then the run's checkpoint is sampled with `python -m titan_gdn.generate` and resumed for two
-more steps, and the README's next command, the tests, passes in that copy.
+once per session). Then the run's checkpoint is sampled with `python -m titan_gdn.generate`
+and resumed for two more steps, the README's next command, the tests, passes in that copy, and
+the cpu commands of README.md and of the pages under docs/ run there too.
 """
 
 from __future__ import annotations
@@ -13,12 +13,15 @@ from __future__ import annotations
 import itertools
 import re
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import run_as_a_user
+from tests.conftest import QUICKSTART, run_as_a_user
+from tests.doc_pages import CPU_PAGES, cpu_blocks, page_id
 
 STEP_LINE = re.compile(
     r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s.*docs: [0-9.,]+  "
@@ -196,3 +199,71 @@ def test_the_wait_for_other_ranks_is_dropped_in_a_run_of_one_process():
     message = "Sleeping 2 seconds for other ranks to complete"
     record = logging.LogRecord("root", logging.INFO, __file__, 0, message, None, None)
     assert console.filter(record) is False
+
+
+# The pages' other commands, in the quickstart's copy (tests/doc_pages.py: how a bash block
+# says it is tested). A page's cpu blocks run in page order, so a block may use what an earlier
+# block of its page wrote (the pages run side by side, so not what another page wrote); a block
+# that several pages hold (the quickstart, on two pages) runs once, and the quickstart counts as
+# run. Only exit codes are checked (and the files a recipe promises): the quickstart's output
+# and losses are free to change.
+
+
+def _run_block(root: Path, body: str) -> tuple[int, str]:
+    """A block in `root` as a user runs it from a shell: (exit code, output)."""
+    return run_as_a_user(["bash", "-e", "-o", "pipefail", "-c", body], root)
+
+
+# What a block promises on disk, checked after it ran: (text in the block, path).
+PROMISED_FILES = [
+    ("titan_gdn.tiny_hf_checkpoint", "hf_model/model.safetensors"),
+    ("--checkpoint.last_save_in_hf", "outputs/finetune/checkpoint/step-20/config.json"),
+    ("--checkpoint.create_seed_checkpoint", "outputs/seed/checkpoint/step-0/.metadata"),
+]
+
+
+@pytest.fixture(scope="module")
+def page_runs(quickstart) -> dict[Path, list]:
+    """Every cpu page's blocks, run in the quickstart's copy of the checkout: a page's blocks
+    one after the other, the pages side by side (a page's run of one process leaves a core
+    free most of the time). {page: [(block, (exit code, output), {promised file: written})]} for the
+    blocks the page ran, up to its first failure, each promised file looked for right after
+    its block; a block that an earlier page holds too runs there, and the page waits for it."""
+    root, _ = quickstart
+    owner, done = {}, {}
+    for page in CPU_PAGES:
+        for body in cpu_blocks(page):
+            owner.setdefault(body, page)
+            done.setdefault(body, threading.Event())
+    done[QUICKSTART] = threading.Event()
+    done[QUICKSTART].set()
+
+    def run_page(page: Path) -> list:
+        ran = []
+        try:
+            for body in cpu_blocks(page):
+                if body == QUICKSTART or owner[body] != page:
+                    done[body].wait()
+                    continue
+                result = _run_block(root, body)
+                promised = [file for flag, file in PROMISED_FILES if flag in body]
+                ran.append((body, result, {file: (root / file).exists() for file in promised}))
+                done[body].set()
+                if result[0] != 0:
+                    break
+        finally:  # a page that stopped early holds up no other
+            for body in cpu_blocks(page):
+                if owner[body] == page:
+                    done[body].set()
+        return ran
+
+    with ThreadPoolExecutor(len(CPU_PAGES)) as pages:
+        return dict(zip(CPU_PAGES, pages.map(run_page, CPU_PAGES), strict=True))
+
+
+@pytest.mark.parametrize("page", CPU_PAGES, ids=page_id)
+def test_cpu_commands_of_the_page_run(page_runs, page):
+    for body, (code, output), promised_files in page_runs[page]:
+        assert code == 0, f"{page_id(page)}:\n{body}\n--- output ---\n{output[-6000:]}"
+        for promised, written in promised_files.items():
+            assert written, f"{body}\ndid not write {promised}"

@@ -1,5 +1,5 @@
 """`python -m titan_gdn.tiny_hf_checkpoint`: a folder that reads as a Qwen3.5 checkpoint (the
-recipe of docs/checkpoints.md fine-tunes from it: tests/test_docs_commands.py)."""
+recipe of docs/checkpoints.md fine-tunes from it: tests/test_quickstart.py)."""
 
 from __future__ import annotations
 

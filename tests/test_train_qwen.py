@@ -39,6 +39,7 @@ SMALL = (
     "--training.local_batch_size", "2",
     "--metrics.log_freq", "1",
     "--metrics.disable_color_printing",
+    "--sample.prompt", "",  # no sample at the end (tests/test_quickstart.py checks it)
 )  # fmt: skip
 
 pytestmark = pytest.mark.skipif(
