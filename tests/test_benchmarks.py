@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -626,21 +627,22 @@ def test_the_benchmark_trains_exactly_what_run_train_sh_trains(tmp_path, monkeyp
     settings = ["training.seq_len=128", "training.local_batch_size=2", "training.steps=3"]
     settings += ["training.mixed_precision_param=bfloat16"]  # one rank: torchtitan's autocast
     out = tmp_path / "throughput.json"
-    _run(
-        [sys.executable, "-m", "benchmarks.throughput", "--flavors", "debugmodel"]
-        + ["--seq-lens", "128", "--no-profile", "--out", str(out)]
-        + ["--warmup", "1", "--steps", "2", "--compile", "none"]
-        + [arg for setting in settings for arg in ("--set", setting)],
-        checkout,
-    )
+    benchmark = [sys.executable, "-m", "benchmarks.throughput", "--flavors", "debugmodel"]
+    benchmark += ["--seq-lens", "128", "--no-profile", "--out", str(out)]
+    benchmark += ["--warmup", "1", "--steps", "2", "--compile", "none"]
+    benchmark += [arg for setting in settings for arg in ("--set", setting)]
+    # Side by side: each is one process on one thread.
+    with ThreadPoolExecutor(1) as background:
+        benchmarked = background.submit(_run, benchmark, checkout)
+        _, steps = _train_ok(
+            tmp_path / "trainer",
+            "--training.steps",
+            "3",
+            "--training.mixed_precision_param",
+            "bfloat16",
+        )
+        benchmarked.result()
     (result,) = json.loads(out.read_text())["results"]
-    _, steps = _train_ok(
-        tmp_path / "trainer",
-        "--training.steps",
-        "3",
-        "--training.mixed_precision_param",
-        "bfloat16",
-    )
     logged = [float(steps[step][0]) for step in (1, 2, 3)]
     assert result["losses"] == pytest.approx(logged, abs=1e-5)
     assert "--training.mixed_precision_param" in result["trainer_arguments"]
