@@ -27,6 +27,7 @@ def _stopped_in_check(signum: int, frame) -> None:
     name = signal.Signals(signum).name
     print(f"run_train.sh: stopped by {name} during the config check; no rank was started",
           file=sys.stderr, flush=True)  # fmt: skip
+    # stop_signals.exit_status's status, written out: the package is not imported yet.
     os._exit(128 + signum)  # nothing has started that needs an orderly end
 
 
