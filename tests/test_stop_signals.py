@@ -2,7 +2,7 @@
 
 The signal that stops one rank often arrives while another is already failing (its peer died,
 so its collective raised): torch's @record is then writing that error to torchrun's error file,
-and the stop cuts the write short. torchrun's launcher read the empty file and ended in a
+and the stop cuts the write short. torchrun's launcher then fails parsing the empty file: a
 JSONDecodeError traceback instead of its summary of the rank that died."""
 
 from __future__ import annotations
@@ -45,13 +45,22 @@ RANK = textwrap.dedent(
 )
 
 
-def test_a_rank_stopped_while_its_error_is_recorded_leaves_no_error_file(tmp_path):
-    error_file = tmp_path / "error.json"
+def _run_rank(script: str, error_file: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
     env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
-    run = subprocess.run(
-        [sys.executable, "-c", RANK], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
+
+
+def test_a_rank_stopped_while_its_error_is_recorded_leaves_no_error_file(tmp_path):
+    error_file = tmp_path / "error.json"
+    run = _run_rank(RANK, error_file)
     assert run.returncode == 128 + signal.SIGTERM, run.stderr
     assert "titan_gdn: stopped by SIGTERM before the first step" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
@@ -64,17 +73,7 @@ def test_a_rank_stopped_while_its_error_is_recorded_leaves_no_error_file(tmp_pat
 def test_an_error_without_a_stop_is_still_recorded_for_torchrun(tmp_path):
     """The error file is removed for a stop only: a rank's own failure keeps torchrun's record."""
     error_file = tmp_path / "error.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
-    env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
-    script = RANK.replace("os.kill(os.getpid(), signal.SIGTERM)", "pass")
-    run = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = _run_rank(RANK.replace("os.kill(os.getpid(), signal.SIGTERM)", "pass"), error_file)
     assert run.returncode == 1, run.stderr
     recorded = json.loads(error_file.read_text())
     assert recorded["message"]["message"] == "RuntimeError: Connection closed by peer"
