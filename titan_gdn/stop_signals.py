@@ -73,15 +73,20 @@ def exit_stopped() -> NoReturn:
     launcher's SIGTERM to the ranks still alive killed them mid-way."""
     signum = received()
     print(stop_line(signum), file=sys.stderr, flush=True)
-    # torch's @record (around torchtitan's train) writes the error that the stop raised to
-    # torchrun's error file, and the signal may cut that write short: torchrun's launcher then
-    # fails parsing an empty file. The stop is not an error; this line says what happened.
-    with contextlib.suppress(KeyError, FileNotFoundError):
-        os.remove(os.environ["TORCHELASTIC_ERROR_FILE"])
+    # @record writes the error that the stop raised, and the signal may cut that write short:
+    # torchrun's launcher then fails parsing an empty file. The stop is not an error.
+    remove_torchrun_error_file()
     if _close is not None:
         with contextlib.suppress(Exception):
             _close()
     exit_without_teardown(exit_status(signum))
+
+
+def remove_torchrun_error_file() -> None:
+    """Remove what torch's @record (around torchtitan's train) wrote, or began to write, to
+    torchrun's error file for its summary, where the rank's own line says what happened."""
+    with contextlib.suppress(KeyError, FileNotFoundError):
+        os.remove(os.environ["TORCHELASTIC_ERROR_FILE"])
 
 
 def exit_without_teardown(status: int) -> NoReturn:

@@ -10,7 +10,6 @@ file's section and key names are checked before anything starts (see
 console (see :class:`titan_gdn.trainer.QuietConsole`).
 """
 
-import contextlib
 import ctypes
 import os
 import signal
@@ -23,6 +22,7 @@ from titan_gdn.stop_signals import (
     exit_stopped,
     exit_without_teardown,
     received,
+    remove_torchrun_error_file,
     stop_on_signals,
 )
 
@@ -128,10 +128,8 @@ def train() -> None:
         CheckpointDamageError,
         CheckpointWriteError,
     ) as error:
-        # Each message says what happened and what to do; a traceback adds nothing. torchtitan's
-        # train() is wrapped in torch's @record, which wrote it for torchrun's summary.
-        with contextlib.suppress(KeyError, FileNotFoundError):
-            os.remove(os.environ["TORCHELASTIC_ERROR_FILE"])
+        # Each message says what happened and what to do; a traceback adds nothing.
+        remove_torchrun_error_file()
         raise SystemExit(str(error)) from None
 
 
